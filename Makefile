@@ -1,0 +1,40 @@
+# Two commands a newcomer needs: `make demo` (stack + worker + simulated agents) and `make test`.
+# Both install what they need into .venv; pip downloads are cached in .cache/pip (ignored).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
+
+.PHONY: install demo test lint bench up down clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/treadle up
+	$(BIN)/treadle demo
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python -m bench.run
+
+up: install
+	$(BIN)/treadle up
+
+down: install
+	$(BIN)/treadle down
+
+clean:
+	rm -rf $(VENV) .treadle .pytest_cache .ruff_cache

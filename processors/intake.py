@@ -1,0 +1,75 @@
+"""Decode and validate one input message, or say why it is a dead letter.
+
+Shared by the step assembler and the ClickHouse sink so both agree on what a valid event is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from processors.dead_letters import dead_letter
+from processors.validation import InputValidator
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec, DeadLetterStage, DecodeError
+
+
+@dataclass(frozen=True)
+class SourceMessage:
+    """Where a message came from; all a dead letter needs besides the reason."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    schema_name: str
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    dead_letter: dict[str, Any]
+
+
+class Intake:
+    def __init__(self, codec: AvroCodec, catalog: TopicCatalog, validator: InputValidator) -> None:
+        self.codec = codec
+        self.validator = validator
+        self._expected = {spec.name: spec.value_schema for spec in catalog.inputs}
+
+    def read(self, message: SourceMessage) -> Accepted | Rejected:
+        expected = self._expected.get(message.topic)
+        schema_name: str | None = None
+        record: dict[str, Any] | None = None
+        if message.value is None:
+            stage, reason = DeadLetterStage.DECODE, "message has no value (tombstone) on an event topic"
+        else:
+            try:
+                schema_name, record = self.codec.decode(message.value, expect=expected)
+            except DecodeError as exc:
+                stage, reason = exc.stage, exc.reason
+            else:
+                problem = self.validator.problem(schema_name, record, message.key)
+                if problem is None:
+                    return Accepted(schema_name, record)
+                stage, reason = DeadLetterStage.VALIDATE, problem
+        return Rejected(
+            dead_letter(
+                stage,
+                reason,
+                topic=message.topic,
+                partition=message.partition,
+                offset=message.offset,
+                key=message.key,
+                value=message.value,
+                timestamp_ms=message.timestamp_ms,
+                schema_name=schema_name,
+                record=record,
+            )
+        )

@@ -1,0 +1,48 @@
+"""Checks at the processor boundary for records that decoded but must not be folded in.
+
+Producers that bypass the SDK (any language can write the topics) can send schema-valid nonsense;
+each problem found here sends the record to dead letters with a reason instead of into a step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from processors.step_assembler import DISPATCH, RESULT, REWARD
+from topics.tool_schemas import ToolSchemas
+
+_REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
+
+
+class InputValidator:
+    def __init__(self, tool_schemas: ToolSchemas | None = None) -> None:
+        self.tool_schemas = tool_schemas or ToolSchemas()
+
+    def problem(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> str | None:
+        """Why the record is invalid, or None."""
+        env = record.get("envelope")
+        if not isinstance(env, dict):
+            return "record has no envelope"
+        for name in _REQUIRED_ENVELOPE:
+            if not env.get(name):
+                return f"envelope.{name} is empty"
+        if key is not None and key.decode("utf-8", "replace") != env["session_id"]:
+            return (
+                f"message key {key[:64]!r} differs from envelope.session_id {env['session_id']!r}; "
+                "events must be keyed by session_id so a session stays in one partition"
+            )
+        if env["event_time"] <= 0:
+            return f"envelope.event_time must be positive microseconds, got {env['event_time']}"
+        if schema_name == DISPATCH:
+            if record["step"] < 0:
+                return f"step must be >= 0, got {record['step']}"
+            return self.tool_schemas.error_in_json(record["tool"], record["params_json"])
+        if schema_name == RESULT and not (record["latency_ms"] >= 0 and math.isfinite(record["latency_ms"])):
+            return f"latency_ms must be a finite non-negative number, got {record['latency_ms']}"
+        if schema_name == REWARD:
+            if not math.isfinite(record["value"]):
+                return f"reward value must be finite, got {record['value']}"
+            if not 0.0 <= record["confidence"] <= 1.0:
+                return f"confidence must be in [0, 1], got {record['confidence']}"
+        return None

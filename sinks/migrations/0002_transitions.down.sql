@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.transitions_latest;
+DROP TABLE IF EXISTS {database}.transitions;

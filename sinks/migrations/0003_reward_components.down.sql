@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.reward_components_latest;
+DROP TABLE IF EXISTS {database}.reward_components;

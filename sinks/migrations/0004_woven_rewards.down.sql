@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.woven_rewards_latest;
+DROP TABLE IF EXISTS {database}.woven_rewards;

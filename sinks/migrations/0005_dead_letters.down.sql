@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.dead_letters_latest;
+DROP TABLE IF EXISTS {database}.dead_letters;

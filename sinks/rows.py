@@ -1,0 +1,231 @@
+"""Decoded Avro records → ClickHouse rows, one pure function per topic kind.
+
+Deterministic on purpose: the same record always yields the same row (no wall-clock columns, sorted JSON keys),
+so replaying a topic after a crash re-inserts identical rows that ReplacingMergeTree collapses. Records arrive
+as the codec decodes them, with logical types stripped: timestamps are int microseconds, uuids str, enums str.
+Rows are dicts keyed by the column names of TABLE_COLUMNS, in a form clickhouse-connect inserts directly
+(DateTime64(6) columns take int microseconds; Nested columns are one list per sub-column).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+# Revision of the row format below; bump it when a mapper changes what it writes, so that rows written by the
+# new mapper replace old ones on replay (it is the version column of raw_events and reward_components).
+ROW_FORMAT_REVISION = 1
+
+INPUT_SCHEMAS: Mapping[str, str] = {
+    "actions": "treadle.events.ActionDispatched",
+    "tool_results": "treadle.events.ToolResult",
+    "rewards": "treadle.events.RewardSignal",
+    "state_deltas": "treadle.events.StateDelta",
+    "lifecycle": "treadle.events.LifecycleEvent",
+}
+
+_COMPONENT_FIELDS = ("event_id", "source", "name", "value", "confidence", "weight", "annotator", "event_time")
+
+TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
+    "raw_events": (
+        "kind", "schema_name", "event_id", "session_id", "agent_id", "episode_id", "logical_event_id", "seq",
+        "event_time", "policy_version", "trace_id", "attributes", "payload_json", "ingested_revision",
+    ),
+    "transitions": (
+        "session_id", "step", "logical_event_id", "revision", "agent_id", "episode_id", "trace_id", "policy_version",
+        "tool", "params_json", "dispatched_at", "tool_status", "output", "error", "latency_ms", "cost_usd",
+        "tokens_in", "tokens_out", "result_at", "reward", "reward_status", "reward_revision",
+        *(f"reward_components.{f}" for f in _COMPONENT_FIELDS), "updated_at",
+    ),
+    "reward_components": (
+        "logical_event_id", "session_id", "event_id", "agent_id", "episode_id", "source", "name", "value",
+        "confidence", "annotator", "evidence", "event_time", "policy_version", "trace_id", "ingested_revision",
+    ),
+    "woven_rewards": (
+        "logical_event_id", "session_id", "episode_id", "step", "revision", "value", "status", "fusion",
+        "policy_version", *(f"components.{f}" for f in _COMPONENT_FIELDS), "woven_at",
+    ),
+    "dead_letters": (
+        "dead_letter_id", "stage", "reason", "topic", "partition", "offset", "key", "value", "event_id",
+        "session_id", "schema_name", "failed_at",
+    ),
+}  # fmt: skip
+
+Row = dict[str, Any]
+
+
+def rows_for(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    """[(table, row)] for one decoded record of topic kind `kind`; a reward lands in two tables."""
+    mapper = _MAPPERS.get(kind)
+    if mapper is None:
+        raise ValueError(f"no ClickHouse table takes records of topic kind {kind!r} (known: {', '.join(_MAPPERS)})")
+    return mapper(kind, record)
+
+
+def micros(value: int | datetime) -> int:
+    """UTC microseconds since the epoch; accepts a datetime too, in case a decoder keeps logical types."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        delta = value - datetime(1970, 1, 1, tzinfo=UTC)
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return int(value)
+
+
+def _optional_micros(value: int | datetime | None) -> int | None:
+    return None if value is None else micros(value)
+
+
+def _json(value: Any) -> str:
+    """Canonical JSON (sorted keys), so equal payloads give byte-equal rows; bytes become hex."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=_json_default).decode()
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).hex()
+    if isinstance(value, datetime):
+        return micros(value)
+    raise TypeError(f"cannot store {type(value).__name__} in payload_json")
+
+
+def _raw_event(kind: str, record: Mapping[str, Any]) -> Row:
+    envelope = record["envelope"]
+    return {
+        "kind": kind,
+        "schema_name": INPUT_SCHEMAS[kind],
+        "event_id": str(envelope["event_id"]),
+        "session_id": envelope["session_id"],
+        "agent_id": envelope["agent_id"],
+        "episode_id": envelope["episode_id"],
+        "logical_event_id": envelope["logical_event_id"],
+        "seq": envelope["seq"],
+        "event_time": micros(envelope["event_time"]),
+        "policy_version": envelope.get("policy_version", ""),
+        "trace_id": envelope.get("trace_id", ""),
+        "attributes": dict(envelope.get("attributes") or {}),
+        "payload_json": _json({k: v for k, v in record.items() if k != "envelope"}),
+        "ingested_revision": ROW_FORMAT_REVISION,
+    }
+
+
+def _input_event(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return [("raw_events", _raw_event(kind, record))]
+
+
+def _reward_signal(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    envelope = record["envelope"]
+    component = {
+        "logical_event_id": envelope["logical_event_id"],
+        "session_id": envelope["session_id"],
+        "event_id": str(envelope["event_id"]),
+        "agent_id": envelope["agent_id"],
+        "episode_id": envelope["episode_id"],
+        "source": record["source"],
+        "name": record.get("name", "reward"),
+        "value": float(record["value"]),
+        "confidence": float(record.get("confidence", 1.0)),
+        "annotator": str(record.get("annotator", "CODE")),
+        "evidence": record.get("evidence"),
+        "event_time": micros(envelope["event_time"]),
+        "policy_version": envelope.get("policy_version", ""),
+        "trace_id": envelope.get("trace_id", ""),
+        "ingested_revision": ROW_FORMAT_REVISION,
+    }
+    return [("raw_events", _raw_event(kind, record)), ("reward_components", component)]
+
+
+def _components(prefix: str, components: Sequence[Mapping[str, Any]]) -> Row:
+    """A RewardComponent list as Nested sub-columns: one list per field, aligned by index."""
+    return {
+        f"{prefix}.event_id": [str(c["event_id"]) for c in components],
+        f"{prefix}.source": [c["source"] for c in components],
+        f"{prefix}.name": [c["name"] for c in components],
+        f"{prefix}.value": [float(c["value"]) for c in components],
+        f"{prefix}.confidence": [float(c["confidence"]) for c in components],
+        f"{prefix}.weight": [float(c.get("weight", 1.0)) for c in components],
+        f"{prefix}.annotator": [str(c["annotator"]) for c in components],
+        f"{prefix}.event_time": [micros(c["event_time"]) for c in components],
+    }
+
+
+def _transition(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    latency = record.get("latency_ms")
+    reward = record.get("reward")
+    row = {
+        "session_id": record["session_id"],
+        "step": record["step"],
+        "logical_event_id": record["logical_event_id"],
+        "revision": record["revision"],
+        "agent_id": record["agent_id"],
+        "episode_id": record["episode_id"],
+        "trace_id": record.get("trace_id", ""),
+        "policy_version": record.get("policy_version", ""),
+        "tool": record["tool"],
+        "params_json": record["params_json"],
+        "dispatched_at": micros(record["dispatched_at"]),
+        "tool_status": record.get("tool_status"),
+        "output": record.get("output"),
+        "error": record.get("error"),
+        "latency_ms": None if latency is None else float(latency),
+        "cost_usd": float(record.get("cost_usd", 0.0)),
+        "tokens_in": record.get("tokens_in", 0),
+        "tokens_out": record.get("tokens_out", 0),
+        "result_at": _optional_micros(record.get("result_at")),
+        "reward": None if reward is None else float(reward),
+        "reward_status": record.get("reward_status", "pending"),
+        "reward_revision": record.get("reward_revision", 0),
+        **_components("reward_components", record.get("reward_components") or []),
+        "updated_at": micros(record["updated_at"]),
+    }
+    return [("transitions", row)]
+
+
+def _woven_reward(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {
+        "logical_event_id": record["logical_event_id"],
+        "session_id": record["session_id"],
+        "episode_id": record["episode_id"],
+        "step": record["step"],
+        "revision": record["revision"],
+        "value": float(record["value"]),
+        "status": record["status"],
+        "fusion": record["fusion"],
+        "policy_version": record.get("policy_version", ""),
+        **_components("components", record["components"]),
+        "woven_at": micros(record["woven_at"]),
+    }
+    return [("woven_rewards", row)]
+
+
+def _dead_letter(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {
+        "dead_letter_id": record["dead_letter_id"],
+        "stage": str(record["stage"]),
+        "reason": record["reason"],
+        "topic": record["topic"],
+        "partition": record["partition"],
+        "offset": record["offset"],
+        "key": record.get("key"),
+        "value": record.get("value"),
+        "event_id": record.get("event_id"),
+        "session_id": record.get("session_id"),
+        "schema_name": record.get("schema_name"),
+        "failed_at": micros(record["failed_at"]),
+    }
+    return [("dead_letters", row)]
+
+
+_MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
+    "actions": _input_event,
+    "tool_results": _input_event,
+    "rewards": _reward_signal,
+    "state_deltas": _input_event,
+    "lifecycle": _input_event,
+    "transitions": _transition,
+    "woven_rewards": _woven_reward,
+    "dead_letters": _dead_letter,
+}

@@ -1,0 +1,219 @@
+"""The `treadle` command line. A user mistake prints one readable line and exits 1, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from streams.settings import Settings
+
+app = typer.Typer(help="treadle: the data plane for agentic RL.", no_args_is_help=True, add_completion=False)
+console = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from aiokafka.errors import KafkaConnectionError
+
+    from sinks.clickhouse import ClickHouseUnavailableError
+    from sinks.sql_guard import ReadOnlyQueryError
+    from streams.local.process import StackError
+    from streams.sql_client import QueryFailedError
+    from topics.admin import TopicMismatchError
+    from topics.registry import IncompatibleSchemaError
+    from topics.tool_schemas import InvalidParamsError
+
+    return (
+        UserError,
+        StackError,
+        TopicMismatchError,
+        IncompatibleSchemaError,
+        InvalidParamsError,
+        ReadOnlyQueryError,
+        QueryFailedError,
+        ClickHouseUnavailableError,
+        KafkaConnectionError,
+    )
+
+
+def friendly(fn: F) -> F:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+@app.command()
+@friendly
+def up() -> None:
+    """Start the local stack: Kafka (KRaft) and Valkey; create topics and register schemas."""
+    from streams.local.stack import LocalStack
+    from streams.worker import prepare_cluster
+
+    s = settings()
+    with console.status("starting Kafka and Valkey (the first run downloads Kafka's jars)…"):
+        status = LocalStack(s).up()
+    _print_status(status)
+    with console.status("creating topics and registering schemas…"):
+        asyncio.run(prepare_cluster(s))
+    console.print(f"topics ready ({s.partitions} partitions each); ClickHouse: {_clickhouse_target(s)}")
+
+
+def _clickhouse_target(s: Settings) -> str:
+    return f"chDB at {s.chdb_path}" if s.embedded_clickhouse else str(s.clickhouse_url)
+
+
+@app.command()
+@friendly
+def down() -> None:
+    """Stop the local stack (only processes treadle started)."""
+    from streams.local.stack import LocalStack
+
+    _print_status(LocalStack(settings()).down())
+
+
+@app.command()
+@friendly
+def status() -> None:
+    """Show the local stack and whether a worker is running."""
+    from streams.local.stack import LocalStack
+    from streams.worker import WorkerInfo
+
+    s = settings()
+    _print_status(LocalStack(s).status())
+    info = WorkerInfo.read(s)
+    where = f"running, pid {info.pid}, http://127.0.0.1:{info.web_port}" if info else "not running"
+    console.print(f"worker: {where}")
+
+
+def _print_status(status: Any) -> None:
+    table = Table(show_header=True, header_style="bold")
+    for column in ("service", "state", "address", "detail"):
+        table.add_column(column)
+    for service in status.services:
+        state = "running" if service.running else ("external" if not service.managed else "stopped")
+        table.add_row(service.name, state, service.address, service.detail)
+    console.print(table)
+
+
+@app.command()
+@friendly
+def worker(loglevel: str = typer.Option("info", help="Log level: debug, info, warning.")) -> None:
+    """Run a worker: step assembly, the ClickHouse sink and the SQL endpoint for `treadle sql`."""
+    from streams.worker import run_worker
+
+    run_worker(settings(), loglevel=loglevel)
+
+
+@app.command()
+@friendly
+def sql(
+    query: str = typer.Argument(..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN."),
+    as_json: bool = typer.Option(False, "--json", help="Print rows as JSON lines."),
+) -> None:
+    """Query the ClickHouse tables (through the running worker when it owns the embedded chDB)."""
+    from streams.sql_client import run_sql
+
+    columns, rows = run_sql(settings(), query)
+    if as_json:
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*[_cell(v) for v in row])
+    console.print(table)
+    console.print(f"{len(rows)} row(s)")
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "…"
+
+
+@app.command()
+@friendly
+def topics() -> None:
+    """List the topic catalog and what the broker has."""
+    from topics.catalog import TopicCatalog
+
+    s = settings()
+    states = asyncio.run(_topic_states(s))
+    table = Table(show_header=True, header_style="bold")
+    for column in ("topic", "role", "partitions", "key", "value schema", "cleanup/retention", "on broker"):
+        table.add_column(column)
+    for spec in TopicCatalog(s):
+        found = states.get(spec.name)
+        table.add_row(
+            spec.name,
+            str(spec.role),
+            str(spec.partitions),
+            spec.key,
+            spec.value_schema or "JSON",
+            f"{spec.config.get('cleanup.policy')}/{spec.config.get('retention.ms')}",
+            "missing" if found is None else f"{found} partitions",
+        )
+    console.print(table)
+
+
+async def _topic_states(s: Settings) -> dict[str, int]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers, request_timeout_ms=5000)
+    await admin.start()
+    try:
+        names = await admin.list_topics()
+        described = await admin.describe_topics([n for n in names if n.startswith((s.topic_prefix, "_"))])
+        return {d["topic"]: len(d["partitions"]) for d in described}
+    finally:
+        await admin.close()
+
+
+@app.command()
+@friendly
+def demo(
+    sessions: int = typer.Option(20, help="Simulated agent sessions."),
+    steps: int = typer.Option(10, help="Steps per session."),
+    seed: int = typer.Option(7, help="Random seed."),
+    timeout: float = typer.Option(120.0, help="Seconds to wait for the replay table to fill."),
+) -> None:
+    """Run simulated agents and reward sources through the whole pipeline, then show replay rows."""
+    from streams.demo import run_demo
+
+    run_demo(settings(), sessions=sessions, steps=steps, seed=seed, timeout=timeout, console=console)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Where `treadle sql` runs a query: through the worker that owns embedded chDB, or directly.
+
+chDB allows one process per data path, so while a worker runs, a second process cannot open the
+database even to read; the worker serves read-only SQL on 127.0.0.1 for exactly this.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from sinks.sql_guard import check_read_only
+from streams.settings import Settings
+from streams.worker import WorkerInfo
+
+
+class QueryFailedError(Exception):
+    """ClickHouse rejected the query (unknown table, syntax error...) or the worker did not answer."""
+
+
+def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list[str], list[list[Any]]]:
+    """(column names, rows) of one read-only statement; ReadOnlyQueryError for anything else."""
+    statement = check_read_only(query)
+    info = WorkerInfo.read(settings)
+    if info is not None and settings.embedded_clickhouse:
+        return _via_worker(info, statement, timeout)
+    from sinks.clickhouse import ClickHouseStore
+
+    with ClickHouseStore.open(settings) as store:
+        result = store.read_only_query_sync(statement)
+    return list(result.column_names), [list(row) for row in result.result_rows]
+
+
+def _via_worker(info: WorkerInfo, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{info.web_port}/sql",
+        data=json.dumps({"sql": statement}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read() or b"{}")
+        raise QueryFailedError(body.get("error", f"worker answered HTTP {exc.code}")) from None
+    except (urllib.error.URLError, TimeoutError) as exc:
+        raise QueryFailedError(
+            f"worker pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.web_port}: {exc}"
+        ) from None
+    return body["columns"], body["rows"]

@@ -1,0 +1,114 @@
+"""Builders for input records, a raw producer, and polling helpers shared by the integration tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from streams.settings import Settings
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.ids import uuid7
+
+BASE_TIME = 1_760_000_000_000_000  # micros
+
+
+def envelope(session: str, lid: str, seq: int, *, event_time: int | None = None, event_id: str | None = None) -> dict:
+    return {
+        "event_id": event_id or uuid7(),
+        "session_id": session,
+        "agent_id": "agent-test",
+        "episode_id": f"{session}-ep0",
+        "logical_event_id": lid,
+        "seq": seq,
+        "event_time": event_time if event_time is not None else BASE_TIME + seq * 1000,
+        "policy_version": "v1",
+        "trace_id": f"trace-{lid}",
+        "attributes": {},
+    }
+
+
+def dispatch(session: str, lid: str, step: int, seq: int, tool: str = "search", params: str = '{"q": "x"}') -> dict:
+    return {
+        "envelope": envelope(session, lid, seq),
+        "step": step,
+        "tool": tool,
+        "params_json": params,
+        "deadline": None,
+    }
+
+
+def result(session: str, lid: str, seq: int, status: str = "OK", latency: float = 12.5) -> dict:
+    return {
+        "envelope": envelope(session, lid, seq),
+        "tool": "search",
+        "status": status,
+        "output": f"out-{lid}",
+        "error": None if status == "OK" else "boom",
+        "latency_ms": latency,
+        "cost_usd": 0.01,
+        "tokens_in": 10,
+        "tokens_out": 5,
+        "retries": 0,
+    }
+
+
+def reward(session: str, lid: str, seq: int, value: float, source: str = "judge", confidence: float = 1.0) -> dict:
+    return {
+        "envelope": envelope(session, lid, seq),
+        "source": source,
+        "name": "quality",
+        "value": value,
+        "confidence": confidence,
+        "annotator": "LLM",
+        "evidence": None,
+    }
+
+
+KIND_OF = {
+    "treadle.events.ActionDispatched": "actions",
+    "treadle.events.ToolResult": "tool_results",
+    "treadle.events.RewardSignal": "rewards",
+}
+
+
+class RawProducer:
+    """Sends encoded records (or arbitrary bytes) straight to the catalog's topics."""
+
+    def __init__(self, settings: Settings, codec: AvroCodec | None = None) -> None:
+        self.settings = settings
+        self.catalog = TopicCatalog(settings)
+        self.codec = codec or AvroCodec()
+        self.producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap_servers, acks="all")
+
+    async def __aenter__(self) -> RawProducer:
+        await self.producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.producer.stop()
+
+    async def send(self, schema_name: str, record: dict[str, Any]) -> None:
+        topic = self.catalog[KIND_OF[schema_name]].name
+        key = record["envelope"]["session_id"].encode()
+        await self.producer.send(topic, self.codec.encode(schema_name, record), key=key)
+
+    async def send_bytes(self, kind: str, value: bytes | None, key: bytes | None = b"s-bad") -> None:
+        await self.producer.send(self.catalog[kind].name, value, key=key)
+
+    async def flush(self) -> None:
+        await self.producer.flush()
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")

@@ -1,0 +1,616 @@
+"""The agent SDK against a real Kafka broker: what it sends is read back and decoded, nothing is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import murmur2
+
+from streams.producer import create_producer
+from streams.sdk import (
+    AgentStream,
+    AgentStreamSync,
+    Edge,
+    InvalidParamsError,
+    LifecycleKind,
+    Node,
+    ProducerError,
+    RewardEmitter,
+    RewardEmitterSync,
+    StepRef,
+    StreamError,
+    ToolStatus,
+)
+from streams.settings import Settings
+from topics.admin import TopicMismatchError, ensure_topics
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.tool_schemas import ToolSchemas
+
+# ==================================================================================================
+# Broker fixture (to be replaced by the shared conftest fixture): a single-node KRaft Apache Kafka
+# started from the jars in /tmp/kz/libs (TREADLE_TEST_KAFKA_LIBS), on free ports, data under tmp_path.
+# ==================================================================================================
+
+KAFKA_LIBS = Path(os.environ.get("TREADLE_TEST_KAFKA_LIBS", "/tmp/kz/libs"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class KafkaBroker:
+    """One broker JVM on free ports; `stop()` ends it by PID.
+
+    Ports are picked at start and a start that dies early is retried on new ports: a just-stopped
+    broker's ports can stay unusable for a while (TIME_WAIT), which made fixed ports flaky.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.bootstrap = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _configure(self, attempt_dir: Path, port: int, controller_port: int) -> Path:
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        config = attempt_dir / "server.properties"
+        config.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    f"log.dirs={attempt_dir / 'data'}",
+                    "num.partitions=1",
+                    "auto.create.topics.enable=false",
+                    "offsets.topic.replication.factor=1",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                ]
+            )
+            + "\n"
+        )
+        return config
+
+    def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
+        if shutil.which("java") is None or not KAFKA_LIBS.is_dir():
+            pytest.skip(f"needs java and the Kafka jars in {KAFKA_LIBS}")
+        for attempt in range(attempts):
+            try:
+                self._start_once(self.workdir / f"attempt{attempt}", timeout)
+                return
+            except _BrokerExited:
+                if attempt == attempts - 1:
+                    raise
+
+    def _start_once(self, attempt_dir: Path, timeout: float) -> None:
+        port, controller_port = free_port(), free_port()
+        config = self._configure(attempt_dir, port, controller_port)
+        self.bootstrap = f"127.0.0.1:{port}"
+        classpath = f"{KAFKA_LIBS}/*"
+        cluster_id = subprocess.run(
+            ["java", "-cp", classpath, "kafka.tools.StorageTool", "random-uuid"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        subprocess.run(
+            ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
+            check=True,
+            capture_output=True,
+        )
+        log_path = attempt_dir / "kafka.log"
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                ["java", "-Xmx512m", "-XX:+UseSerialGC", "-cp", classpath, "kafka.Kafka", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise _BrokerExited(f"test broker exited with {self.proc.returncode}; see {log_path}")
+            if asyncio.run(self._ready()):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"test broker not ready after {timeout}s; see {log_path}")
+
+    async def _ready(self) -> bool:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return True
+        except Exception:
+            return False
+        finally:
+            await admin.close()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class _BrokerExited(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real broker for this test session; yields its bootstrap address."""
+    broker = KafkaBroker(tmp_path_factory.mktemp("sdk-kafka"))
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+# ==================================================================================================
+
+
+TOOL_SCHEMAS = {
+    "search": {
+        "type": "object",
+        "properties": {"q": {"type": "string", "minLength": 1}, "limit": {"type": "integer", "minimum": 1}},
+        "required": ["q"],
+        "additionalProperties": False,
+    },
+    "blob": {"type": "object"},
+}
+UUID7 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+INPUT_KINDS = ("actions", "tool_results", "rewards", "state_deltas", "lifecycle")
+
+
+def make_settings(bootstrap: str, tmp: Path) -> Settings:
+    return Settings(
+        home=tmp,
+        kafka_bootstrap_servers=bootstrap,
+        topic_prefix=f"sdk{uuid.uuid4().hex[:8]}",
+        partitions=3,
+    )
+
+
+async def create_topics(s: Settings) -> None:
+    """ensure_topics, retried: right after CreateTopics the broker's metadata may not list the new topics yet."""
+    for attempt in range(20):
+        try:
+            await ensure_topics(TopicCatalog(s), s.kafka_bootstrap_servers)
+            return
+        except TopicMismatchError:
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """This module's deployment: its own topic prefix, topics created."""
+    s = make_settings(kafka_bootstrap, tmp_path_factory.mktemp("sdk-home"))
+    asyncio.run(create_topics(s))
+    return s
+
+
+@pytest.fixture(scope="module")
+def codec() -> AvroCodec:
+    return AvroCodec()
+
+
+@pytest.fixture
+def tools() -> ToolSchemas:
+    return ToolSchemas(TOOL_SCHEMAS)
+
+
+@dataclass(frozen=True)
+class Read:
+    kind: str
+    partition: int
+    offset: int
+    key: bytes
+    record: dict[str, Any]
+
+    @property
+    def env(self) -> dict[str, Any]:
+        return self.record["envelope"]
+
+
+async def read_back(settings: Settings, codec: AvroCodec, session_ids: set[str]) -> dict[str, list[Read]]:
+    """Every event of `session_ids` in the input topics, decoded, in (partition, offset) order per topic."""
+    catalog = TopicCatalog(settings)
+    wanted = {s.encode() for s in session_ids}
+    out: dict[str, list[Read]] = {k: [] for k in INPUT_KINDS}
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(catalog[k].name, p) for k in INPUT_KINDS for p in range(catalog[k].partitions)]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        end = await consumer.end_offsets(partitions)
+        remaining = {tp for tp in partitions if end[tp] > 0}
+        deadline = time.monotonic() + 30
+        while remaining and time.monotonic() < deadline:
+            for tp, messages in (await consumer.getmany(timeout_ms=500)).items():
+                kind = catalog.by_name(tp.topic).kind
+                for m in messages:
+                    if m.key in wanted:
+                        schema = catalog[kind].value_schema
+                        _, record = codec.decode(m.value, expect=schema)
+                        out[kind].append(Read(kind, m.partition, m.offset, m.key, record))
+                    if m.offset + 1 >= end[tp]:
+                        remaining.discard(tp)
+        assert not remaining, f"did not reach the end of {remaining}"
+    finally:
+        await consumer.stop()
+    for reads in out.values():
+        reads.sort(key=lambda r: (r.partition, r.offset))
+    return out
+
+
+def check_session_invariants(reads: dict[str, list[Read]], session_id: str) -> None:
+    """Key is the session, one partition number across topics, seq strictly increasing per topic and unique."""
+    every = [r for rs in reads.values() for r in rs]
+    assert every
+    assert {r.key for r in every} == {session_id.encode()}
+    assert {r.env["session_id"] for r in every} == {session_id}
+    assert len({r.partition for r in every}) == 1, "co-partitioned topics must put a session on one partition"
+    assert every[0].partition == (murmur2(session_id.encode()) & 0x7FFFFFFF) % 3  # Kafka's default partitioner
+    seqs = [r.env["seq"] for r in every]
+    assert len(set(seqs)) == len(seqs)
+    for rs in reads.values():
+        per_topic = [r.env["seq"] for r in rs]
+        assert per_topic == sorted(per_topic) and len(set(per_topic)) == len(per_topic)
+    for r in every:
+        assert UUID7.match(r.env["event_id"]), r.env["event_id"]
+    assert len({r.env["event_id"] for r in every}) == len(every)
+
+
+async def test_events_round_trip_with_envelope_seq_and_steps(
+    settings: Settings, codec: AvroCodec, tools: ToolSchemas
+) -> None:
+    before = time.time_ns() // 1000
+    async with AgentStream(
+        settings, agent_id="agent-a", policy_version="pv-3", tool_schemas=tools, codec=codec
+    ) as stream:
+        await stream.lifecycle(LifecycleKind.EPISODE_STARTED, episode_id="ep-1")
+        refs = [await stream.dispatch("search", {"q": f"query {i}"}, attributes={"i": i}) for i in range(3)]
+        assert [r.step for r in refs] == [0, 1, 2]
+        async with stream.tool_call(refs[0]) as call:
+            await asyncio.sleep(0.02)
+            call.output = {"hits": 3}
+            call.cost_usd, call.tokens_in, call.tokens_out, call.retries = 0.25, 11, 7, 1
+        with pytest.raises(ValueError, match="tool broke"):
+            async with stream.tool_call(refs[1]):
+                raise ValueError("tool broke")
+        with pytest.raises(TimeoutError):
+            async with stream.tool_call(refs[2]):
+                async with asyncio.timeout(0.01):
+                    await asyncio.sleep(5)
+        await stream.reward(refs[0], 0.5, source="judge", name="helpfulness", annotator="LLM", evidence="fine")
+        await stream.reward(refs[1].logical_event_id, -1.0, source="code_check")
+        await stream.delta(
+            node_upserts=[Node("n1", "page", {"url": "u"}, ttl_seconds=60), {"id": "n2", "type": "page"}],
+            edge_upserts=[Edge("n1", "n2", "references"), ("n2", "n1", "causes")],
+            node_deletes=["n0"],
+            step_ref=refs[0],
+        )
+        await stream.lifecycle("EPISODE_ENDED", done=True, reason="goal reached")
+        assert stream.next_seq == 11
+        assert stream.next_step == 3
+        session_id = stream.session_id
+    after = time.time_ns() // 1000
+
+    reads = await read_back(settings, codec, {session_id})
+    check_session_invariants(reads, session_id)
+    assert sorted(r.env["seq"] for rs in reads.values() for r in rs) == list(range(11))
+    for r in (r for rs in reads.values() for r in rs):
+        assert r.env["agent_id"] == "agent-a"
+        assert r.env["episode_id"] == "ep-1"
+        assert r.env["policy_version"] == "pv-3"
+        assert before <= r.env["event_time"] <= after
+
+    actions = reads["actions"]
+    assert [a.record["step"] for a in actions] == [0, 1, 2]
+    for a, ref in zip(actions, refs, strict=True):
+        assert a.env["logical_event_id"] == ref.logical_event_id == a.env["event_id"]
+        assert a.env["trace_id"] == ref.trace_id and len(ref.trace_id) == 32
+        assert a.record["tool"] == "search" and a.record["deadline"] is None
+        assert a.env["event_time"] == ref.dispatched_at
+    assert [a.env["attributes"] for a in actions] == [{"i": "0"}, {"i": "1"}, {"i": "2"}]
+    assert actions[0].record["params_json"] == '{"q":"query 0"}'
+
+    results = {r.env["logical_event_id"]: r for r in reads["tool_results"]}
+    ok, err, timeout = (results[ref.logical_event_id].record for ref in refs)
+    assert (ok["status"], err["status"], timeout["status"]) == ("OK", "ERROR", "TIMEOUT")
+    assert ok["latency_ms"] >= 20 and err["latency_ms"] > 0 and timeout["latency_ms"] >= 10
+    assert ok["output"] == '{"hits":3}' and ok["error"] is None
+    assert (ok["cost_usd"], ok["tokens_in"], ok["tokens_out"], ok["retries"]) == (0.25, 11, 7, 1)
+    assert err["error"] == "ValueError: tool broke"
+    assert timeout["error"].startswith("TimeoutError")
+    for ref in refs:
+        assert results[ref.logical_event_id].env["trace_id"] == ref.trace_id
+        assert results[ref.logical_event_id].record["tool"] == "search"
+
+    judge, check = reads["rewards"]
+    assert judge.env["logical_event_id"] == refs[0].logical_event_id and judge.env["trace_id"] == refs[0].trace_id
+    assert (judge.record["source"], judge.record["name"], judge.record["value"]) == ("judge", "helpfulness", 0.5)
+    assert (judge.record["annotator"], judge.record["evidence"], judge.record["confidence"]) == ("LLM", "fine", 1.0)
+    assert check.env["logical_event_id"] == refs[1].logical_event_id and check.record["annotator"] == "CODE"
+    assert check.record["name"] == "reward" and check.record["value"] == -1.0
+
+    (delta,) = reads["state_deltas"]
+    assert delta.env["logical_event_id"] == refs[0].logical_event_id
+    assert delta.record["node_upserts"] == [
+        {"id": "n1", "type": "page", "data_json": '{"url":"u"}', "ttl_seconds": 60},
+        {"id": "n2", "type": "page", "data_json": "{}", "ttl_seconds": None},
+    ]
+    assert delta.record["edge_upserts"] == [
+        {"src": "n1", "dst": "n2", "type": "references", "data_json": "{}"},
+        {"src": "n2", "dst": "n1", "type": "causes", "data_json": "{}"},
+    ]
+    assert delta.record["node_deletes"] == ["n0"] and delta.record["rollback_to"] is None
+
+    started, ended = reads["lifecycle"]
+    assert started.record["kind"] == "EPISODE_STARTED" and started.env["seq"] == 0
+    assert (ended.record["kind"], ended.record["done"], ended.record["truncated"]) == ("EPISODE_ENDED", True, False)
+    assert ended.record["reason"] == "goal reached" and ended.env["seq"] == 10
+    assert started.env["logical_event_id"] == started.env["event_id"]
+
+
+async def test_invalid_params_raise_before_anything_is_sent(
+    settings: Settings, codec: AvroCodec, tools: ToolSchemas
+) -> None:
+    async with AgentStream(settings, agent_id="agent-b", tool_schemas=tools, codec=codec) as stream:
+        with pytest.raises(InvalidParamsError, match="q"):
+            await stream.dispatch("search", {"limit": 3})
+        with pytest.raises(InvalidParamsError, match="limit"):
+            await stream.dispatch("search", {"q": "x", "limit": 0})
+        with pytest.raises(InvalidParamsError, match="JSON object"):
+            await stream.dispatch("search", ["q"])  # type: ignore[arg-type]
+        with pytest.raises(InvalidParamsError, match="JSON-serializable"):
+            await stream.dispatch("anything", {"when": object()})
+        with pytest.raises(InvalidParamsError, match="JSON-serializable"):
+            await stream.dispatch("anything", {"x": float("nan")})
+        assert (stream.next_step, stream.next_seq, stream.pending) == (0, 0, 0)
+        ref = await stream.dispatch("search", {"q": "ok"})
+        assert (ref.step, stream.next_seq) == (0, 1)
+        session_id = stream.session_id
+    reads = await read_back(settings, codec, {session_id})
+    assert [(a.record["step"], a.env["seq"]) for a in reads["actions"]] == [(0, 0)]
+    assert sum(len(rs) for rs in reads.values()) == 1
+
+
+async def test_concurrent_dispatches_get_distinct_steps_and_seqs(settings: Settings, codec: AvroCodec) -> None:
+    async with AgentStream(settings, agent_id="agent-c", codec=codec) as stream:
+        refs = await asyncio.gather(*(stream.dispatch("t", {"i": i}) for i in range(200)))
+        await stream.flush()
+        assert stream.pending == 0
+        session_id = stream.session_id
+    assert sorted(r.step for r in refs) == list(range(200))
+    reads = await read_back(settings, codec, {session_id})
+    check_session_invariants(reads, session_id)
+    assert sorted(a.env["seq"] for a in reads["actions"]) == list(range(200))
+    assert sorted(a.record["step"] for a in reads["actions"]) == list(range(200))
+
+
+async def test_many_streams_share_one_producer(settings: Settings, codec: AvroCodec) -> None:
+    producer = create_producer(settings)
+    await producer.start()
+    try:
+        streams = [AgentStream(settings, agent_id=f"agent-{i}", producer=producer, codec=codec) for i in range(8)]
+        for s in streams:
+            await s.start()
+        for s in streams:
+            ref = await s.dispatch("t", {})
+            await s.tool_result(ref, "OK", output="done")
+        for s in streams:
+            await s.close()
+        # the shared producer is still running: the streams did not stop it
+        await producer.send_and_wait(TopicCatalog(settings)["lifecycle"].name, b"x", key=b"not-a-session")
+    finally:
+        await producer.stop()
+    reads = await read_back(settings, codec, {s.session_id for s in streams})
+    for s in streams:
+        mine = {k: [r for r in rs if r.key == s.session_id.encode()] for k, rs in reads.items()}
+        check_session_invariants(mine, s.session_id)
+        assert [(r.kind, r.env["seq"]) for r in mine["actions"] + mine["tool_results"]] == [
+            ("actions", 0),
+            ("tool_results", 1),
+        ]
+        result = mine["tool_results"][0].record
+        assert result["status"] == "OK" and result["latency_ms"] >= 0 and result["output"] == "done"
+
+
+async def test_reward_source_needs_only_the_step_id_and_session(settings: Settings, codec: AvroCodec) -> None:
+    async with AgentStream(settings, agent_id="agent-d", codec=codec) as stream:
+        ref = await stream.dispatch("t", {"x": 1})
+    lid, session_id = ref.logical_event_id, ref.session_id  # what a judge service would receive
+
+    async with RewardEmitter(settings, source="llm_judge", annotator="LLM", codec=codec) as judge:
+        with pytest.raises(ValueError, match="session_id"):
+            await judge.reward(lid, 0.9)
+        await judge.reward(lid, 0.9, session_id=session_id, name="helpfulness", confidence=0.8, evidence="ok")
+        await judge.reward(ref, 0.1, name="safety", annotator="HUMAN")
+        await judge.reward(lid, 0.2, session_id="other-session")
+    with RewardEmitterSync(settings, source="labeller", annotator="HUMAN", codec=codec) as labeller:
+        labeller.reward(lid, 1.0, session_id=session_id)
+
+    reads = await read_back(settings, codec, {session_id, "other-session"})
+    rewards = [r for r in reads["rewards"] if r.key == session_id.encode()]
+    assert len(rewards) == 3
+    assert {r.partition for r in rewards} == {reads["actions"][0].partition}
+    assert all(r.env["logical_event_id"] == lid for r in rewards)
+    judged = sorted((r for r in rewards if r.env["agent_id"] == "llm_judge"), key=lambda r: r.env["seq"])
+    (labelled,) = (r for r in rewards if r.env["agent_id"] == "labeller")
+    first, second = (r.record for r in judged)
+    assert (first["source"], first["name"], first["annotator"], first["confidence"]) == (
+        "llm_judge", "helpfulness", "LLM", 0.8,
+    )  # fmt: skip
+    assert (second["name"], second["annotator"]) == ("safety", "HUMAN")
+    assert judged[1].env["trace_id"] == ref.trace_id and judged[1].env["episode_id"] == ref.episode_id
+    assert (labelled.record["source"], labelled.record["annotator"]) == ("labeller", "HUMAN")
+    (other,) = (r for r in reads["rewards"] if r.key == b"other-session")
+    assert other.env["seq"] > judged[1].env["seq"]  # one counter per emitter: increasing in every session
+
+
+async def test_broker_rejection_surfaces_at_flush_with_the_failed_event(settings: Settings, codec: AvroCodec) -> None:
+    # The producer accepts 4 MB but the broker's limit is ~1 MB: the send is accepted, the broker refuses it later.
+    async with AgentStream(
+        settings, agent_id="agent-e", codec=codec, producer_options={"max_request_size": 4_000_000}
+    ) as stream:
+        ref = await stream.dispatch("blob", {"data": "x" * 2_000_000})  # returns at once, no error yet
+        with pytest.raises(ProducerError) as caught:
+            await stream.flush()
+        assert [f.logical_event_id for f in caught.value.failed] == [ref.logical_event_id]
+        assert caught.value.failed[0].record["step"] == 0
+        assert caught.value.__cause__ is caught.value.cause
+        await stream.flush()  # reported once; the stream stays usable
+
+        # A background failure also surfaces on the next call, before that call sends anything.
+        await stream.dispatch("blob", {"data": "y" * 2_000_000})
+        while stream.pending:
+            await asyncio.sleep(0.05)
+        with pytest.raises(ProducerError):
+            await stream.dispatch("t", {})
+        ok = await stream.dispatch("t", {})
+        session_id = stream.session_id
+    reads = await read_back(settings, codec, {session_id})
+    assert [a.env["logical_event_id"] for a in reads["actions"]] == [ok.logical_event_id]
+
+
+async def test_producer_side_rejection_raises_at_once(settings: Settings, codec: AvroCodec) -> None:
+    async with AgentStream(settings, agent_id="agent-f", codec=codec) as stream:
+        with pytest.raises(ProducerError, match="MessageSizeTooLarge"):
+            await stream.dispatch("blob", {"data": "x" * 2_000_000})
+        assert stream.pending == 0
+
+
+async def test_not_started_and_closed_streams_refuse(settings: Settings, codec: AvroCodec) -> None:
+    stream = AgentStream(settings, agent_id="agent-g", codec=codec)
+    with pytest.raises(StreamError, match="not started"):
+        await stream.dispatch("t", {})
+    await stream.start()
+    await stream.close()
+    await stream.close()  # idempotent
+    with pytest.raises(StreamError, match="closed"):
+        await stream.dispatch("t", {})
+
+
+async def test_missing_topics_are_a_clear_error(kafka_bootstrap: str, tmp_path: Path, codec: AvroCodec) -> None:
+    s = make_settings(kafka_bootstrap, tmp_path)  # topics never created
+    stream = AgentStream(s, agent_id="agent-h", codec=codec, producer_options={"request_timeout_ms": 2000})
+    with pytest.raises(StreamError, match="not found"):
+        await stream.start()
+
+
+def test_sync_facade(settings: Settings, codec: AvroCodec, tools: ToolSchemas) -> None:
+    with AgentStreamSync(settings, agent_id="agent-sync", tool_schemas=tools, codec=codec) as stream:
+        stream.lifecycle("SESSION_CREATED")
+        with pytest.raises(InvalidParamsError):
+            stream.dispatch("search", {})
+        refs = [stream.dispatch("search", {"q": str(i)}) for i in range(3)]
+        assert all(isinstance(r, StepRef) for r in refs) and [r.step for r in refs] == [0, 1, 2]
+        with stream.tool_call(refs[0]) as call:
+            time.sleep(0.01)
+            call.output = "fine"
+        with pytest.raises(KeyError), stream.tool_call(refs[1]):
+            raise KeyError("missing")
+        with pytest.raises(TimeoutError), stream.tool_call(refs[2]):
+            raise TimeoutError
+        stream.tool_result(refs[2], ToolStatus.REJECTED, output="late", latency_ms=3.5)
+        stream.reward(refs[0], 1.0, source="code")
+        stream.delta(node_upserts=[Node("a", "t")])
+        stream.flush()
+        assert stream.pending == 0
+        session_id = stream.session_id
+    stream.close()  # idempotent after the with block
+
+    reads = asyncio.run(read_back(settings, codec, {session_id}))
+    check_session_invariants(reads, session_id)
+    assert sorted(r.env["seq"] for rs in reads.values() for r in rs) == list(range(10))
+    assert [a.record["step"] for a in reads["actions"]] == [0, 1, 2]
+    statuses = [(r.env["logical_event_id"], r.record["status"]) for r in reads["tool_results"]]
+    assert statuses == [
+        (refs[0].logical_event_id, "OK"),
+        (refs[1].logical_event_id, "ERROR"),
+        (refs[2].logical_event_id, "TIMEOUT"),
+        (refs[2].logical_event_id, "REJECTED"),
+    ]
+    latencies = [r.record["latency_ms"] for r in reads["tool_results"]]
+    assert latencies[0] >= 10 and all(x > 0 for x in latencies)
+    assert reads["tool_results"][1].record["error"] == "KeyError: 'missing'"
+    assert len(reads["rewards"]) == len(reads["state_deltas"]) == len(reads["lifecycle"]) == 1
+
+
+def test_sync_facade_surfaces_producer_failures(settings: Settings, codec: AvroCodec) -> None:
+    stream = AgentStreamSync(
+        settings, agent_id="agent-sync-fail", codec=codec, producer_options={"max_request_size": 4_000_000}
+    ).start()
+    stream.dispatch("blob", {"data": "x" * 2_000_000})
+    with pytest.raises(ProducerError):
+        stream.close()
+    with pytest.raises(StreamError):
+        stream.dispatch("t", {})
+
+
+async def test_stopped_broker_fails_the_flush_and_the_next_call(tmp_path: Path, codec: AvroCodec) -> None:
+    """Events accepted while the broker is down are reported, not dropped, and closing does not hang.
+
+    (aiokafka's idempotent producer retries forever, so the stream's delivery_timeout_s bounds the wait.)
+    """
+    broker = KafkaBroker(tmp_path / "kafka")
+    await asyncio.to_thread(broker.start)
+    try:
+        s = make_settings(broker.bootstrap, tmp_path / "home")
+        await create_topics(s)
+        stream = AgentStream(s, agent_id="agent-i", codec=codec, delivery_timeout_s=2.0)
+        await stream.start()
+        await stream.dispatch("t", {})
+        await stream.flush()
+        await asyncio.to_thread(broker.stop)
+
+        ref = await stream.dispatch("t", {})  # still returns at once
+        with pytest.raises(ProducerError, match="KafkaTimeoutError") as caught:
+            await stream.flush()
+        assert [f.logical_event_id for f in caught.value.failed] == [ref.logical_event_id]
+
+        late = await stream.dispatch("t", {})
+        await asyncio.sleep(2.2)
+        with pytest.raises(ProducerError) as caught:
+            await stream.dispatch("t", {})  # the overdue event surfaces here, before this one is sent
+        assert [f.logical_event_id for f in caught.value.failed] == [late.logical_event_id]
+
+        started = time.monotonic()
+        await stream.close()
+        assert time.monotonic() - started < 5
+    finally:
+        await asyncio.to_thread(broker.stop)

@@ -1,0 +1,111 @@
+"""The topic catalog: every topic treadle reads or writes, with its key, value schema and retention.
+
+Input and output topics are co-partitioned on session_id (same partition count, same key), because
+the step assembler's state for a session lives in the partition that session hashes to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from streams.settings import Settings
+
+
+class TopicRole(StrEnum):
+    INPUT = "input"
+    OUTPUT = "output"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic: `name` is the full topic name, `kind` the short name code refers to."""
+
+    kind: str
+    name: str
+    role: TopicRole
+    value_schema: str | None
+    key: str
+    partitions: int
+    replication_factor: int
+    config: dict[str, str] = field(default_factory=dict)
+    doc: str = ""
+
+    @property
+    def co_partitioned(self) -> bool:
+        return self.role is not TopicRole.INTERNAL
+
+
+_WEEK_MS = str(7 * 24 * 3600 * 1000)
+_DELETE = {"cleanup.policy": "delete", "retention.ms": _WEEK_MS}
+_KEEP = {"cleanup.policy": "delete", "retention.ms": "-1"}
+
+# kind, schema, role, config, doc
+_TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
+    ("actions", "treadle.events.ActionDispatched", TopicRole.INPUT, _DELETE, "Agents' tool calls; each opens a step."),
+    ("tool_results", "treadle.events.ToolResult", TopicRole.INPUT, _DELETE, "Outcomes of tool calls."),
+    ("rewards", "treadle.events.RewardSignal", TopicRole.INPUT, _DELETE, "Reward signals from any source."),
+    ("state_deltas", "treadle.events.StateDelta", TopicRole.INPUT, _DELETE, "Changes to the state graph."),
+    ("lifecycle", "treadle.events.LifecycleEvent", TopicRole.INPUT, _DELETE, "Session and episode phases."),
+    ("transitions", "treadle.derived.Transition", TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
+    ("woven_rewards", "treadle.derived.WovenReward", TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
+    ("dead_letters", "treadle.derived.DeadLetter", TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),
+    (
+        "schemas",
+        None,
+        TopicRole.INTERNAL,
+        {"cleanup.policy": "compact", "retention.ms": "-1"},
+        "Schema registry: fingerprint -> {subject, version, schema}.",
+    ),
+]
+
+
+def _topic_name(prefix: str, kind: str, role: TopicRole) -> str:
+    """Internal topics start with an underscore, as Kafka's own do."""
+    return f"_{prefix}.{kind}" if role is TopicRole.INTERNAL else f"{prefix}.{kind}"
+
+
+class TopicCatalog:
+    """The deployment's topics, derived from settings (prefix, partitions, replication)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._specs = {
+            kind: TopicSpec(
+                kind=kind,
+                name=f"{settings.topic_prefix}.{kind}"
+                if role is not TopicRole.INTERNAL
+                else f"_{settings.topic_prefix}.{kind}",
+                role=role,
+                value_schema=schema,
+                key="session_id" if role is not TopicRole.INTERNAL else "schema fingerprint",
+                partitions=settings.partitions if role is not TopicRole.INTERNAL else 1,
+                replication_factor=settings.replication_factor,
+                config=dict(config),
+                doc=doc,
+            )
+            for kind, schema, role, config, doc in _TOPICS
+        }
+
+    def __getitem__(self, kind: str) -> TopicSpec:
+        return self._specs[kind]
+
+    def __iter__(self):
+        return iter(self._specs.values())
+
+    def by_role(self, role: TopicRole) -> list[TopicSpec]:
+        return [s for s in self._specs.values() if s.role is role]
+
+    def by_name(self, name: str) -> TopicSpec | None:
+        return next((s for s in self._specs.values() if s.name == name), None)
+
+    @property
+    def inputs(self) -> list[TopicSpec]:
+        return self.by_role(TopicRole.INPUT)
+
+    def for_schema(self, schema_name: str) -> TopicSpec:
+        for spec in self._specs.values():
+            if spec.value_schema == schema_name:
+                return spec
+        raise KeyError(f"no topic carries {schema_name}")

@@ -1,0 +1,107 @@
+"""The wire format: Avro single-object encoding.
+
+    bytes 0-1   C3 01                 marker (Avro spec, "Single-object encoding")
+    bytes 2-9   CRC-64-AVRO fingerprint of the writer schema's Parsing Canonical Form, little-endian
+    bytes 10-   the record in Avro binary encoding
+
+It needs no extra service: any Avro library (Java's BinaryMessageEncoder, avro-rs, fastavro + 10
+header bytes) can produce it, and the fingerprint names the writer schema so readers can resolve
+old and new versions. Writer schemas we don't ship are looked up in the schema registry topic.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+from fastavro import schemaless_reader, schemaless_writer
+from fastavro._read_common import SchemaResolutionError
+
+from topics.schemas import AvroSchema, SchemaSet
+
+MAGIC = b"\xc3\x01"
+HEADER = struct.Struct("<2sQ")
+
+
+class DeadLetterStage(StrEnum):
+    DECODE = "DECODE"
+    SCHEMA = "SCHEMA"
+    VALIDATE = "VALIDATE"
+    PROCESS = "PROCESS"
+
+
+class DecodeError(Exception):
+    """Bytes that cannot become a record; `stage` says where it failed, for the dead-letter row."""
+
+    def __init__(self, stage: DeadLetterStage, reason: str) -> None:
+        super().__init__(reason)
+        self.stage = stage
+        self.reason = reason
+
+
+class AvroCodec:
+    """Encodes records of known schemas and decodes any registered writer schema into a reader schema."""
+
+    def __init__(
+        self,
+        schemas: SchemaSet | None = None,
+        lookup: Callable[[int], AvroSchema | None] | None = None,
+    ) -> None:
+        self.schemas = schemas or SchemaSet.load()
+        self._lookup = lookup
+
+    def encode(self, schema_name: str, record: dict[str, Any]) -> bytes:
+        schema = self.schemas[schema_name]
+        buf = io.BytesIO()
+        buf.write(HEADER.pack(MAGIC, schema.fingerprint))
+        schemaless_writer(buf, schema.parsed, record)
+        return buf.getvalue()
+
+    def writer_schema(self, data: bytes) -> AvroSchema:
+        """The schema `data` was written with, or DecodeError."""
+        if len(data) < HEADER.size or data[:2] != MAGIC:
+            raise DecodeError(
+                DeadLetterStage.DECODE,
+                "not Avro single-object encoding (expected marker C3 01 and an 8-byte schema fingerprint)",
+            )
+        _, fp = HEADER.unpack_from(data)
+        schema = self.schemas.by_fingerprint(fp)
+        if schema is None and self._lookup is not None:
+            schema = self._lookup(fp)
+            if schema is not None:
+                self.schemas.add(schema)
+        if schema is None:
+            raise DecodeError(DeadLetterStage.SCHEMA, f"unknown writer schema fingerprint {fp:016x}")
+        return schema
+
+    def decode(self, data: bytes, expect: str | None = None) -> tuple[str, dict[str, Any]]:
+        """(schema name, record); with `expect`, resolved into the current version of that schema."""
+        writer = self.writer_schema(data)
+        reader_name = expect or writer.name
+        if expect is not None and writer.name != expect:
+            raise DecodeError(DeadLetterStage.SCHEMA, f"expected a {expect} record, got {writer.name} (wrong topic?)")
+        reader = self.schemas[reader_name] if reader_name in self.schemas else writer
+        try:
+            body = io.BytesIO(data)
+            body.seek(HEADER.size)
+            if reader.fingerprint == writer.fingerprint:
+                record = schemaless_reader(body, writer.parsed, None)
+            else:
+                record = schemaless_reader(body, writer.parsed, reader.parsed)
+        except SchemaResolutionError as exc:
+            raise DecodeError(
+                DeadLetterStage.SCHEMA, f"writer schema {writer.name} cannot be read as {reader.name}: {exc}"
+            ) from exc
+        except Exception as exc:  # fastavro raises EOFError, ValueError, UnicodeDecodeError, SchemaResolutionError...
+            raise DecodeError(
+                DeadLetterStage.DECODE, f"body does not match writer schema {writer.name}: {exc!r}"
+            ) from exc
+        if body.tell() != len(data):
+            raise DecodeError(
+                DeadLetterStage.DECODE,
+                f"{len(data) - body.tell()} trailing bytes after a {writer.name} record",
+            )
+        return reader_name, record

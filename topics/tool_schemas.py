@@ -1,0 +1,68 @@
+"""Registered JSON Schemas of tool parameters, checked in the SDK and again at the processor boundary.
+
+The SDK check gives the agent an immediate error; the processor check catches producers that
+bypass the SDK (any language can write the topics), whose bad calls go to dead letters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
+
+class InvalidParamsError(ValueError):
+    """Tool parameters that do not match the tool's registered JSON Schema."""
+
+
+class ToolSchemas:
+    """Tool name -> compiled JSON Schema validator. Tools with no schema accept any JSON object."""
+
+    def __init__(self, schemas: dict[str, dict[str, Any]] | None = None) -> None:
+        self._validators: dict[str, Draft202012Validator] = {}
+        for tool, schema in (schemas or {}).items():
+            self.register(tool, schema)
+
+    @classmethod
+    def load(cls, path: Path | None) -> ToolSchemas:
+        if path is None:
+            return cls()
+        try:
+            return cls(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read tool schemas from {path}: {exc}") from exc
+
+    def register(self, tool: str, schema: dict[str, Any]) -> None:
+        Draft202012Validator.check_schema(schema)
+        self._validators[tool] = Draft202012Validator(schema)
+
+    def __contains__(self, tool: str) -> bool:
+        return tool in self._validators
+
+    def error(self, tool: str, params: Any) -> str | None:
+        """Why `params` is invalid for `tool`, or None when it is valid."""
+        if not isinstance(params, dict):
+            return f"params of {tool} must be a JSON object, got {type(params).__name__}"
+        validator = self._validators.get(tool)
+        if validator is None:
+            return None
+        problem = best_match(validator.iter_errors(params))
+        if problem is None:
+            return None
+        where = "/".join(str(p) for p in problem.absolute_path) or "<root>"
+        return f"params of {tool} invalid at {where}: {problem.message}"
+
+    def error_in_json(self, tool: str, params_json: str) -> str | None:
+        try:
+            params = json.loads(params_json)
+        except json.JSONDecodeError as exc:
+            return f"params of {tool} are not valid JSON: {exc}"
+        return self.error(tool, params)
+
+    def validate(self, tool: str, params: Any) -> None:
+        problem = self.error(tool, params)
+        if problem is not None:
+            raise InvalidParamsError(problem)
