@@ -295,7 +295,7 @@ def run_demo(settings: Settings, *, sessions: int, steps: int, seed: int, timeou
     tools_path = settings.home / "demo" / "tools.json"
     tools_path.parent.mkdir(parents=True, exist_ok=True)
     tools_path.write_text(json.dumps(TOOLS, indent=2))
-    run_id = uuid7()[:8]
+    run_id = uuid7()[-8:]  # the random tail: the head is a timestamp shared by runs in the same minute
     console.print("starting a worker (unless one runs)…")
     with DemoWorker(settings, tools_path):
         started = time.monotonic()

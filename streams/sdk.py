@@ -609,7 +609,7 @@ class AgentStream(_Emitter):
     async def dispatch(
         self,
         tool: str,
-        params: Mapping[str, Any],
+        params: dict[str, Any],
         *,
         deadline: datetime | timedelta | int | None = None,
         attributes: Mapping[str, Any] | None = None,
@@ -657,8 +657,8 @@ class AgentStream(_Emitter):
             logical_event_id=event_id,
             trace_id=trace,
             step=step,
-            session_id=self.session_id,
-            episode_id=self.episode_id,
+            session_id=envelope["session_id"],
+            episode_id=envelope["episode_id"],
             tool=tool,
             dispatched_at=envelope["event_time"],
         )
@@ -1118,7 +1118,7 @@ class AgentStreamSync(_SyncFacade):
     def dispatch(
         self,
         tool: str,
-        params: Mapping[str, Any],
+        params: dict[str, Any],
         *,
         deadline: datetime | timedelta | int | None = None,
         attributes: Mapping[str, Any] | None = None,

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from sinks.sql_guard import check_read_only
+from sinks.sql_guard import ReadOnlyQueryError, check_read_only
 from streams.settings import Settings
 from streams.worker import WorkerInfo
 
@@ -29,7 +29,13 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
-        result = store.read_only_query_sync(statement)
+        try:
+            result = store.read_only_query_sync(statement)
+        except ReadOnlyQueryError:
+            raise
+        except Exception as exc:  # unknown table, syntax error...: ClickHouse's first line says which
+            text = str(exc).strip()
+            raise QueryFailedError(text.splitlines()[0] if text else type(exc).__name__) from None
     return list(result.column_names), [list(row) for row in result.result_rows]
 
 

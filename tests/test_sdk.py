@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -409,6 +411,31 @@ async def test_invalid_params_raise_before_anything_is_sent(
     assert sum(len(rs) for rs in reads.values()) == 1
 
 
+async def test_other_bad_arguments_raise_before_anything_is_sent(settings: Settings, codec: AvroCodec) -> None:
+    async with AgentStream(settings, agent_id="agent-b2", codec=codec) as stream:
+        with pytest.raises(ValueError):
+            await stream.lifecycle("NOT_A_PHASE")
+        with pytest.raises(ValueError):
+            await stream.reward("lid", "high", source="x")  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            await stream.reward("lid", 1.0, source="x", annotator="ROBOT")
+        ref = await stream.dispatch("t", {}, deadline=timedelta(seconds=30))
+        with pytest.raises(ValueError):
+            await stream.tool_result(ref, "MAYBE")
+        with pytest.raises(ValueError, match="cannot encode"):
+            await stream.delta(node_upserts=[{"id": 1, "type": "t"}])
+        async with stream.tool_call(ref) as call:
+            call.status = ToolStatus.REJECTED
+            call.error = "policy says no"
+        assert (stream.next_step, stream.next_seq) == (1, 2)
+        session_id = stream.session_id
+    reads = await read_back(settings, codec, {session_id})
+    (action,) = reads["actions"]
+    assert abs(action.record["deadline"] - (action.env["event_time"] + 30_000_000)) < 1_000_000
+    (result,) = reads["tool_results"]
+    assert (result.record["status"], result.record["error"], result.env["seq"]) == ("REJECTED", "policy says no", 1)
+
+
 async def test_concurrent_dispatches_get_distinct_steps_and_seqs(settings: Settings, codec: AvroCodec) -> None:
     async with AgentStream(settings, agent_id="agent-c", codec=codec) as stream:
         refs = await asyncio.gather(*(stream.dispatch("t", {"i": i}) for i in range(200)))
@@ -569,6 +596,16 @@ def test_sync_facade(settings: Settings, codec: AvroCodec, tools: ToolSchemas) -
     assert latencies[0] >= 10 and all(x > 0 for x in latencies)
     assert reads["tool_results"][1].record["error"] == "KeyError: 'missing'"
     assert len(reads["rewards"]) == len(reads["state_deltas"]) == len(reads["lifecycle"]) == 1
+
+
+def test_a_forgotten_sync_stream_is_flushed_not_lost(settings: Settings, codec: AvroCodec) -> None:
+    stream = AgentStreamSync(settings, agent_id="agent-forgetful", codec=codec).start()
+    ref = stream.dispatch("t", {})
+    with pytest.warns(ResourceWarning, match="not closed"):
+        del stream
+        gc.collect()
+    reads = asyncio.run(read_back(settings, codec, {ref.session_id}))
+    assert [a.env["logical_event_id"] for a in reads["actions"]] == [ref.logical_event_id]
 
 
 def test_sync_facade_surfaces_producer_failures(settings: Settings, codec: AvroCodec) -> None:

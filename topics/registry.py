@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from topics.compatibility import Compatibility, compatibility_errors
 from topics.schemas import AvroSchema, SchemaSet
@@ -107,8 +108,7 @@ class SchemaRegistry:
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False)
         await consumer.start()
         try:
-            await consumer.topics()  # fetches cluster metadata so partitions_for_topic answers
-            partitions = [TopicPartition(self.topic, p) for p in (consumer.partitions_for_topic(self.topic) or [])]
+            partitions = [TopicPartition(self.topic, p) for p in await self._partition_ids()]
             if not partitions:
                 return
             consumer.assign(partitions)
@@ -125,6 +125,16 @@ class SchemaRegistry:
                             remaining.discard(tp)
         finally:
             await consumer.stop()
+
+    async def _partition_ids(self) -> list[int]:
+        # A consumer only knows partitions of topics it subscribed to, so ask the cluster.
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        await admin.start()
+        try:
+            described = await admin.describe_topics([self.topic])
+        finally:
+            await admin.close()
+        return sorted(p["partition"] for d in described if d["error_code"] == 0 for p in d["partitions"])
 
     async def register(self, schemas: list[AvroSchema]) -> list[RegisteredSchema]:
         """Register each schema not yet known; all are checked before any is published."""

@@ -1,0 +1,80 @@
+"""The CLI as a user runs it: one readable line for a mistake, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from streams.settings import REPO_ROOT, Settings
+from tests.factories import RawProducer, dispatch, wait_for
+from topics.ids import uuid7
+
+
+def treadle(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "streams.cli", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **settings.to_env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+REFUSED = [
+    ("DROP TABLE transitions", "DROP"),
+    ("INSERT INTO transitions SELECT * FROM transitions", "INSERT"),
+    ("SELECT 1; SELECT 2", "one statement"),
+    ("SELECT * FROM file('/etc/passwd', 'LineAsString')", "file"),
+    ("SELECT * FROM url('http://127.0.0.1:1/x', 'CSV')", "url"),
+    ("ALTER TABLE transitions DELETE WHERE 1", "ALTER"),
+]
+
+
+@pytest.mark.parametrize(("query", "mentions"), REFUSED)
+def test_sql_refuses_anything_but_one_read(tmp_path, query: str, mentions: str) -> None:
+    settings = Settings(home=tmp_path)
+    done = treadle(settings, "sql", query)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error:")
+    assert mentions.lower() in lines[0].lower()
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_sql_routes_through_the_worker_that_owns_chdb(deployment: Settings, worker_factory) -> None:
+    worker = worker_factory().start()
+    worker.wait_ready()
+    session = f"s-cli-{uuid7()[:8]}"
+
+    async def send() -> None:
+        async with RawProducer(deployment) as producer:
+            await producer.send("treadle.events.ActionDispatched", dispatch(session, uuid7(), 0, 1))
+            await producer.flush()
+
+    asyncio.run(send())
+    query = f"SELECT session_id, step, tool FROM transitions_latest WHERE session_id = '{session}'"
+    done = wait_for(
+        lambda: (d := treadle(deployment, "sql", query, "--json")).stdout.strip() and d, 60, "the row via the CLI"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"session_id": session, "step": 0, "tool": "search"}
+
+    unknown = treadle(deployment, "sql", "SELECT * FROM no_such_table")
+    assert unknown.returncode == 1
+    assert unknown.stderr.startswith("error:") and "no_such_table" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
+def test_topics_lists_the_catalog_with_broker_state(deployment: Settings) -> None:
+    done = treadle(deployment, "topics")
+    assert done.returncode == 0, done.stderr
+    for kind in ("actions", "tool_results", "rewards", "transitions", "dead_letters"):
+        assert f"{deployment.topic_prefix}.{kind}" in done.stdout
+    assert "missing" not in done.stdout

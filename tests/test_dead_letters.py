@@ -1,0 +1,116 @@
+"""Bad input lands in dead letters with its stage, reason, position and raw bytes; the stream goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from pathlib import Path
+
+from streams.settings import Settings
+from streams.sql_client import run_sql
+from tests.factories import RawProducer, dispatch, result, wait_for
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.ids import uuid7
+from topics.registry import SchemaRegistry
+from topics.schemas import AvroSchema, SchemaSet
+
+TOOL_SCHEMAS = {"search": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
+
+
+def tool_result_without_tool_field() -> AvroSchema:
+    """An older/foreign writer schema of ToolResult that lacks the required `tool` field."""
+    current = SchemaSet.load()["treadle.events.ToolResult"].json
+    variant = dict(current, fields=[f for f in current["fields"] if f["name"] != "tool"])
+    return AvroSchema.from_json(variant)
+
+
+async def send_bad_inputs(settings: Settings) -> dict[str, dict]:
+    """Each bad input, keyed by a label, with the topic it went to and the exact bytes sent."""
+    variant = tool_result_without_tool_field()
+    registry = SchemaRegistry(settings.kafka_bootstrap_servers, TopicCatalog(settings)["schemas"].name)
+    await registry.register([variant])  # known writer, but unreadable as the current ToolResult
+    variant_codec = AvroCodec(SchemaSet([variant]))
+    codec = AvroCodec()
+
+    missing_tool = result("s-missing", "lid-missing", 1)
+    del missing_tool["tool"]
+    empty_session = dispatch("", "lid-empty", 0, 1)
+    bad = {
+        "garbage": ("actions", b"\x00\x01garbage that is not avro", b"s-garbage"),
+        "unknown_schema": ("rewards", b"\xc3\x01" + struct.pack("<Q", 0xDEADBEEF) + b"\x02x", b"s-unknown"),
+        "invalid_params": (
+            "actions",
+            codec.encode("treadle.events.ActionDispatched", dispatch("s-params", uuid7(), 0, 1, params='{"q": 5}')),
+            b"s-params",
+        ),
+        "missing_field": (
+            "tool_results",
+            variant_codec.encode("treadle.events.ToolResult", missing_tool),
+            b"s-missing",
+        ),
+        "empty_session": ("actions", codec.encode("treadle.events.ActionDispatched", empty_session), b""),
+        "tombstone": ("lifecycle", None, b"s-tomb"),
+    }
+    sent = {}
+    async with RawProducer(settings) as producer:
+        for label, (kind, value, key) in bad.items():
+            topic = producer.catalog[kind].name
+            metadata = await (await producer.producer.send(topic, value, key=key))
+            sent[label] = {"topic": topic, "partition": metadata.partition, "offset": metadata.offset, "value": value}
+    return sent
+
+
+async def send_good_step(settings: Settings) -> tuple[str, str]:
+    session, lid = f"s-good-{uuid7()[:8]}", uuid7()
+    async with RawProducer(settings) as producer:
+        await producer.send("treadle.events.ActionDispatched", dispatch(session, lid, 0, 1))
+        await producer.send("treadle.events.ToolResult", result(session, lid, 2))
+        await producer.flush()
+    return session, lid
+
+
+EXPECTED = {
+    "garbage": ("DECODE", "not Avro single-object encoding"),
+    "unknown_schema": ("SCHEMA", "unknown writer schema fingerprint 00000000deadbeef"),
+    "invalid_params": ("VALIDATE", "params of search invalid at q: 5 is not of type 'string'"),
+    "missing_field": ("SCHEMA", "No default value for field tool"),
+    "empty_session": ("VALIDATE", "envelope.session_id is empty"),
+    "tombstone": ("DECODE", "tombstone"),
+}
+
+
+def test_each_bad_input_is_a_dead_letter_and_the_stream_continues(
+    deployment: Settings, worker_factory, tmp_path: Path
+) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOL_SCHEMAS))
+    settings = deployment.model_copy(update={"tool_schemas": tools})
+    sent = asyncio.run(send_bad_inputs(settings))
+    worker = worker_factory(settings).start()
+    worker.wait_ready()
+    session, _ = asyncio.run(send_good_step(settings))
+
+    def dead_letters() -> dict | None:
+        columns, rows = run_sql(
+            settings,
+            "SELECT topic, partition, offset, stage, reason, hex(value) AS value_hex FROM dead_letters_latest",
+        )
+        found = {(r[0], r[1], r[2]): dict(zip(columns, r, strict=True)) for r in rows}
+        return found if len(found) >= len(sent) else None
+
+    found = wait_for(dead_letters, 60, "one dead letter per bad input")
+    assert len(found) == len(sent)
+    for label, where in sent.items():
+        row = found[(where["topic"], where["partition"], where["offset"])]
+        stage, reason = EXPECTED[label]
+        assert row["stage"] == stage, (label, row)
+        assert reason in row["reason"], (label, row)
+        assert (row["value_hex"] or "") == (where["value"] or b"").hex().upper(), label
+
+    query = f"SELECT tool_status FROM transitions_latest WHERE session_id = '{session}'"
+    _, rows = wait_for(lambda: (r := run_sql(settings, query))[1] and r, 60, "the valid step after the bad inputs")
+    assert rows == [["OK"]]
+    _, raw = run_sql(settings, "SELECT count() FROM raw_events_latest WHERE session_id IN ('s-params', '')")
+    assert raw == [[0]], "dead-lettered events must not appear as raw events"
