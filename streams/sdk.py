@@ -16,6 +16,13 @@ topic, and carries a per-stream `seq` that orders them without trusting clocks.
 
 Reward sources that only know a step's `logical_event_id` and session use `RewardEmitter`.
 Agents without an event loop use `AgentStreamSync` / `RewardEmitterSync`.
+
+Conventions: a dispatch's event_id is its step's logical_event_id, and its trace_id is that id
+without dashes unless one is given; deltas and lifecycle events not tied to a step carry their own
+event_id as logical_event_id. The partition is Kafka's default, murmur2(session_id) mod partitions,
+as Java clients and Faust compute it. aiokafka's idempotent producer retries forever while the
+broker is down, so `delivery_timeout_s` (default 120 s, like Java's delivery.timeout.ms) bounds how
+long an event may stay unacknowledged before it is reported failed.
 """
 
 from __future__ import annotations

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import re
-import shutil
 import socket
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -19,9 +15,9 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
+from streams.local.kafka import LocalKafka
 from streams.producer import create_producer
 from streams.sdk import (
     AgentStream,
@@ -37,148 +33,45 @@ from streams.sdk import (
     StreamError,
     ToolStatus,
 )
-from streams.settings import Settings
+from streams.settings import REPO_ROOT, Settings
 from topics.admin import TopicMismatchError, ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.tool_schemas import ToolSchemas
 
-# ==================================================================================================
-# Broker fixture (to be replaced by the shared conftest fixture): a single-node KRaft Apache Kafka
-# started from the jars in /tmp/kz/libs (TREADLE_TEST_KAFKA_LIBS), on free ports, data under tmp_path.
-# ==================================================================================================
-
-KAFKA_LIBS = Path(os.environ.get("TREADLE_TEST_KAFKA_LIBS", "/tmp/kz/libs"))
-
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class KafkaBroker:
-    """One broker JVM on free ports; `stop()` ends it by PID.
-
-    Ports are picked at start and a start that dies early is retried on new ports: a just-stopped
-    broker's ports can stay unusable for a while (TIME_WAIT), which made fixed ports flaky.
-    """
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.bootstrap = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def _configure(self, attempt_dir: Path, port: int, controller_port: int) -> Path:
-        attempt_dir.mkdir(parents=True, exist_ok=True)
-        config = attempt_dir / "server.properties"
-        config.write_text(
-            "\n".join(
-                [
-                    "process.roles=broker,controller",
-                    "node.id=1",
-                    f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
-                    f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
-                    "controller.listener.names=CONTROLLER",
-                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-                    "inter.broker.listener.name=PLAINTEXT",
-                    f"log.dirs={attempt_dir / 'data'}",
-                    "num.partitions=1",
-                    "auto.create.topics.enable=false",
-                    "offsets.topic.replication.factor=1",
-                    "transaction.state.log.replication.factor=1",
-                    "transaction.state.log.min.isr=1",
-                    "group.initial.rebalance.delay.ms=0",
-                ]
-            )
-            + "\n"
-        )
-        return config
-
-    def start(self, timeout: float = 90.0, attempts: int = 3) -> None:
-        if shutil.which("java") is None or not KAFKA_LIBS.is_dir():
-            pytest.skip(f"needs java and the Kafka jars in {KAFKA_LIBS}")
-        for attempt in range(attempts):
-            try:
-                self._start_once(self.workdir / f"attempt{attempt}", timeout)
-                return
-            except _BrokerExited:
-                if attempt == attempts - 1:
-                    raise
-
-    def _start_once(self, attempt_dir: Path, timeout: float) -> None:
-        port, controller_port = free_port(), free_port()
-        config = self._configure(attempt_dir, port, controller_port)
-        self.bootstrap = f"127.0.0.1:{port}"
-        classpath = f"{KAFKA_LIBS}/*"
-        cluster_id = subprocess.run(
-            ["java", "-cp", classpath, "kafka.tools.StorageTool", "random-uuid"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        subprocess.run(
-            ["java", "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
-            check=True,
-            capture_output=True,
-        )
-        log_path = attempt_dir / "kafka.log"
-        with log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                ["java", "-Xmx512m", "-XX:+UseSerialGC", "-cp", classpath, "kafka.Kafka", str(config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise _BrokerExited(f"test broker exited with {self.proc.returncode}; see {log_path}")
-            if asyncio.run(self._ready()):
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"test broker not ready after {timeout}s; see {log_path}")
-
-    async def _ready(self) -> bool:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
-        try:
-            await admin.start()
-            await admin.list_topics()
-            return True
-        except Exception:
-            return False
-        finally:
-            await admin.close()
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-class _BrokerExited(RuntimeError):
-    pass
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real broker for this test session; yields its bootstrap address."""
-    broker = KafkaBroker(tmp_path_factory.mktemp("sdk-kafka"))
-    broker.start()
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+def kafka_bootstrap(stack: Settings) -> str:
+    """The shared test broker (tests/conftest.py)."""
+    return stack.kafka_bootstrap_servers
 
 
-# ==================================================================================================
+class SecondBroker:
+    """A broker of its own on free ports, for the test that stops it under a live stream."""
+
+    def __init__(self, home: Path) -> None:
+        port = free_port()
+        self.kafka = LocalKafka(
+            Settings(
+                home=home,
+                kafka_bootstrap_servers=f"127.0.0.1:{port}",
+                kafka_controller_port=free_port(),
+                cache=REPO_ROOT / ".treadle" / "cache",
+            )
+        )
+        self.bootstrap = self.kafka.bootstrap_servers
+
+    def start(self) -> None:
+        self.kafka.up()
+
+    def stop(self) -> None:
+        self.kafka.down()
 
 
 TOOL_SCHEMAS = {
@@ -624,7 +517,7 @@ async def test_stopped_broker_fails_the_flush_and_the_next_call(tmp_path: Path, 
 
     (aiokafka's idempotent producer retries forever, so the stream's delivery_timeout_s bounds the wait.)
     """
-    broker = KafkaBroker(tmp_path / "kafka")
+    broker = SecondBroker(tmp_path / "kafka")
     await asyncio.to_thread(broker.start)
     try:
         s = make_settings(broker.bootstrap, tmp_path / "home")

@@ -6,6 +6,7 @@ assembler's state is per partition, so co-partitioned topics that disagree would
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
                 pass
             for spec in missing:
                 log.info("created topic %s (%d partitions)", spec.name, spec.partitions)
-            existing = await _partition_counts(admin, [s.name for s in catalog])
+            existing = await _await_metadata(admin, catalog, [s.name for s in missing])
         states = []
         for spec in catalog:
             found = existing.get(spec.name, 0)
@@ -57,6 +58,18 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
         return states
     finally:
         await admin.close()
+
+
+async def _await_metadata(
+    admin: AIOKafkaAdminClient, catalog: TopicCatalog, created: list[str], timeout: float = 15.0
+) -> dict[str, int]:
+    """Partition counts once the new topics show up in metadata (right after creation they may not yet)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        counts = await _partition_counts(admin, [s.name for s in catalog])
+        if all(counts.get(name, 0) > 0 for name in created) or asyncio.get_running_loop().time() > deadline:
+            return counts
+        await asyncio.sleep(0.2)
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:

@@ -60,8 +60,10 @@ class AvroCodec:
         schemaless_writer(buf, schema.parsed, record)
         return buf.getvalue()
 
-    def writer_schema(self, data: bytes) -> AvroSchema:
+    def writer_schema(self, data: bytes | None) -> AvroSchema:
         """The schema `data` was written with, or DecodeError."""
+        if data is None:
+            raise DecodeError(DeadLetterStage.DECODE, "null value (tombstone) where an event was expected")
         if len(data) < HEADER.size or data[:2] != MAGIC:
             raise DecodeError(
                 DeadLetterStage.DECODE,
@@ -77,7 +79,7 @@ class AvroCodec:
             raise DecodeError(DeadLetterStage.SCHEMA, f"unknown writer schema fingerprint {fp:016x}")
         return schema
 
-    def decode(self, data: bytes, expect: str | None = None) -> tuple[str, dict[str, Any]]:
+    def decode(self, data: bytes | None, expect: str | None = None) -> tuple[str, dict[str, Any]]:
         """(schema name, record); with `expect`, resolved into the current version of that schema."""
         writer = self.writer_schema(data)
         reader_name = expect or writer.name

@@ -33,9 +33,13 @@ def strip_logical_types(schema: Any) -> Any:
 
 
 def schema_fingerprint(schema: dict[str, Any]) -> int:
-    """CRC-64-AVRO fingerprint of the schema's Parsing Canonical Form, as an unsigned int."""
+    """CRC-64-AVRO fingerprint of the schema's Parsing Canonical Form, as an unsigned int.
+
+    fastavro's hex string is the fingerprint's little-endian bytes, so packing the int little-endian
+    (as the single-object header does) reproduces exactly the bytes Java's BinaryMessageEncoder writes.
+    """
     canonical = to_parsing_canonical_form(parse_schema(schema, _write_hint=False))
-    return int(fingerprint(canonical, "CRC-64-AVRO"), 16)
+    return int.from_bytes(bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO")), "little")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class AvroSchema:
     @classmethod
     def from_json(cls, schema: dict[str, Any]) -> AvroSchema:
         schema = strip_logical_types(schema)
-        parsed = parse_schema(schema, _write_hint=False)
+        # Keep fastavro's write hint: without it, fastavro re-parses the schema on every call (fastavro #444).
+        parsed = parse_schema(schema)
         return cls(name=parsed["name"], json=schema, parsed=parsed, fingerprint=schema_fingerprint(schema))
 
     @property

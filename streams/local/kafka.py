@@ -248,7 +248,7 @@ class LocalKafka:
             "share.coordinator.state.topic.replication.factor": str(rf),
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
-            "auto.create.topics.enable": "true",
+            "auto.create.topics.enable": "false",  # topics come from the catalog (co-partitioned)
             "num.network.threads": "2",
             "num.io.threads": "4",
             "num.recovery.threads.per.data.dir": "1",
