@@ -71,6 +71,9 @@ def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeli
         table_cleanup_interval=60.0,
         producer_acks=-1,
         consumer_auto_offset_reset="earliest",
+        # A crashed worker's partitions move after this long (Faust's default is 60 s).
+        broker_session_timeout=15.0,
+        broker_heartbeat_interval=3.0,
     )
     steps = app.Table(
         "steps",

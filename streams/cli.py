@@ -8,7 +8,8 @@ import logging
 import sys
 from collections.abc import Callable
 from functools import wraps
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -194,6 +195,53 @@ async def _topic_states(s: Settings) -> dict[str, int]:
         return {d["topic"]: len(d["partitions"]) for d in described}
     finally:
         await admin.close()
+
+
+schemas_app = typer.Typer(help="The schema registry on the _<prefix>.schemas topic.", no_args_is_help=True)
+app.add_typer(schemas_app, name="schemas")
+
+
+@schemas_app.command("list")
+@friendly
+def schemas_list() -> None:
+    """Registered subjects and their versions."""
+    registry = _registry(settings())
+    asyncio.run(registry.load())
+    table = Table(show_header=True, header_style="bold")
+    for column in ("subject", "version", "fingerprint"):
+        table.add_column(column)
+    for subject in registry.versions.subjects():
+        for version in registry.versions.versions(subject):
+            table.add_row(subject, str(version.version), f"{version.schema.fingerprint:016x}")
+    console.print(table)
+
+
+@schemas_app.command("register")
+@friendly
+def schemas_register(
+    path: Annotated[Path, typer.Argument(help="An .avsc file; named types it uses are read from its folder.")],
+) -> None:
+    """Register a new version of a record schema; refused, with the reasons, if it breaks compatibility."""
+    from fastavro.schema import SchemaParseException
+
+    from topics.schemas import AvroSchema
+
+    try:
+        schema = AvroSchema.from_file(path)
+    except (OSError, ValueError, SchemaParseException) as exc:
+        raise UserError(f"cannot read an Avro schema from {path}: {exc}") from None
+    registered = asyncio.run(_registry(settings()).register([schema]))
+    if registered:
+        console.print(f"registered {schema.name} version {registered[0].version} ({schema.fingerprint:016x})")
+    else:
+        console.print(f"{schema.name} ({schema.fingerprint:016x}) was already registered")
+
+
+def _registry(s: Settings):
+    from topics.catalog import TopicCatalog
+    from topics.registry import SchemaRegistry
+
+    return SchemaRegistry(s.kafka_bootstrap_servers, TopicCatalog(s)["schemas"].name)
 
 
 @app.command()

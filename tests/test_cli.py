@@ -78,3 +78,29 @@ def test_topics_lists_the_catalog_with_broker_state(deployment: Settings) -> Non
     for kind in ("actions", "tool_results", "rewards", "transitions", "dead_letters"):
         assert f"{deployment.topic_prefix}.{kind}" in done.stdout
     assert "missing" not in done.stdout
+
+
+def _tool_result_with(tmp_path, field: dict):
+    """A copy of the contract with one field added to ToolResult."""
+    avro = REPO_ROOT / "avro"
+    (tmp_path / "treadle.events.Envelope.avsc").write_text((avro / "treadle.events.Envelope.avsc").read_text())
+    doc = json.loads((avro / "treadle.events.ToolResult.avsc").read_text())
+    doc["fields"].append(field)
+    path = tmp_path / "treadle.events.ToolResult.avsc"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_schemas_register_refuses_a_breaking_change_and_accepts_a_compatible_one(deployment, tmp_path) -> None:
+    breaking = _tool_result_with(tmp_path, {"name": "region", "type": "string"})
+    refused = treadle(deployment, "schemas", "register", str(breaking))
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error:") and "region: field added without a default" in refused.stderr
+
+    compatible = _tool_result_with(tmp_path, {"name": "region", "type": "string", "default": "eu"})
+    done = treadle(deployment, "schemas", "register", str(compatible))
+    assert done.returncode == 0, done.stderr
+    assert "treadle.events.ToolResult version 2" in done.stdout
+    listed = treadle(deployment, "schemas", "list")
+    rows = [line for line in listed.stdout.splitlines() if "treadle.events.ToolResult" in line]
+    assert len(rows) == 2

@@ -58,6 +58,11 @@ class AvroSchema:
         parsed = parse_schema(schema)
         return cls(name=parsed["name"], json=schema, parsed=parsed, fingerprint=schema_fingerprint(schema))
 
+    @classmethod
+    def from_file(cls, path: Path) -> AvroSchema:
+        """An .avsc file; named types it references are loaded from `<full name>.avsc` beside it."""
+        return cls.from_json(_expand_named(load_schema(str(path), _write_hint=False)))
+
     @property
     def doc(self) -> str:
         return str(self.json.get("doc", ""))
@@ -78,8 +83,7 @@ class SchemaSet:
         """Load every `<namespace>.<Name>.avsc`; references between files are resolved by full name."""
         schemas = []
         for path in sorted(directory.glob("*.avsc")):
-            loaded = load_schema(str(path), _write_hint=False)
-            schemas.append(AvroSchema.from_json(_expand_named(loaded)))
+            schemas.append(AvroSchema.from_file(path))
         return cls(schemas)
 
     def __getitem__(self, name: str) -> AvroSchema:
