@@ -13,7 +13,6 @@ from typing import Any
 
 import faust
 
-from processors.dead_letters import dead_letter
 from processors.intake import Accepted, Intake, SourceMessage
 from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
 from processors.validation import InputValidator
@@ -108,15 +107,7 @@ def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeli
 
 async def handle_input(pipeline: Pipeline, event: faust.EventT) -> None:
     """Decode, validate and fold one input event; publish derived records or a dead letter."""
-    message = event.message
-    source = SourceMessage(
-        topic=message.topic,
-        partition=message.partition,
-        offset=message.offset,
-        key=message.key,
-        value=message.value,
-        timestamp_ms=int(message.timestamp * 1000),
-    )
+    source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
     read = pipeline.intake.read(source)
     if not isinstance(read, Accepted):
         log.warning(
@@ -138,28 +129,16 @@ async def handle_input(pipeline: Pipeline, event: faust.EventT) -> None:
         output = pipeline.assembler.apply(state, read.schema_name, record)
     except Exception as exc:  # a bug or corrupt state must not block the partition: keep the event, move on
         log.exception("step assembly failed for %s[%d]@%d", source.topic, source.partition, source.offset)
-        await publish(pipeline, DEAD_LETTER, _process_failure(source, read, exc), key=source.key)
+        failure = source.dead_letter(
+            DeadLetterStage.PROCESS, f"step assembly failed: {exc!r}", read.schema_name, read.record
+        )
+        await publish(pipeline, DEAD_LETTER, failure, key=source.key)
         return
     if output.changed:
         pipeline.steps[key] = state.to_bytes()
     session_key = record["envelope"]["session_id"].encode()
     for schema_name, derived in output.records:
         await publish(pipeline, schema_name, derived, key=session_key)
-
-
-def _process_failure(source: SourceMessage, read: Accepted, exc: Exception) -> dict[str, Any]:
-    return dead_letter(
-        DeadLetterStage.PROCESS,
-        f"step assembly failed: {exc!r}",
-        topic=source.topic,
-        partition=source.partition,
-        offset=source.offset,
-        key=source.key,
-        value=source.value,
-        timestamp_ms=source.timestamp_ms,
-        schema_name=read.schema_name,
-        record=read.record,
-    )
 
 
 async def publish(pipeline: Pipeline, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:

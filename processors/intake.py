@@ -25,6 +25,31 @@ class SourceMessage:
     value: bytes | None
     timestamp_ms: int
 
+    @classmethod
+    def of(cls, message: Any, timestamp_ms: int) -> SourceMessage:
+        """From an aiokafka ConsumerRecord or a Faust Message (their timestamps differ in unit)."""
+        return cls(message.topic, message.partition, message.offset, message.key, message.value, timestamp_ms)
+
+    def dead_letter(
+        self,
+        stage: DeadLetterStage,
+        reason: str,
+        schema_name: str | None = None,
+        record: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return dead_letter(
+            stage,
+            reason,
+            topic=self.topic,
+            partition=self.partition,
+            offset=self.offset,
+            key=self.key,
+            value=self.value,
+            timestamp_ms=self.timestamp_ms,
+            schema_name=schema_name,
+            record=record,
+        )
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -59,17 +84,4 @@ class Intake:
                 if problem is None:
                     return Accepted(schema_name, record)
                 stage, reason = DeadLetterStage.VALIDATE, problem
-        return Rejected(
-            dead_letter(
-                stage,
-                reason,
-                topic=message.topic,
-                partition=message.partition,
-                offset=message.offset,
-                key=message.key,
-                value=message.value,
-                timestamp_ms=message.timestamp_ms,
-                schema_name=schema_name,
-                record=record,
-            )
-        )
+        return Rejected(message.dead_letter(stage, reason, schema_name, record))

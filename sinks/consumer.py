@@ -82,16 +82,7 @@ class SinkConsumer:
     def _add(self, message) -> None:
         spec = self._specs[message.topic]
         if spec.role is TopicRole.INPUT:
-            read = self.intake.read(
-                SourceMessage(
-                    topic=message.topic,
-                    partition=message.partition,
-                    offset=message.offset,
-                    key=message.key,
-                    value=message.value,
-                    timestamp_ms=message.timestamp,
-                )
-            )
+            read = self.intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
             if not isinstance(read, Accepted):
                 self.skipped += 1  # the step assembler writes it to dead letters
                 return
