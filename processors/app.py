@@ -1,8 +1,8 @@
-"""The Faust app: topics, the changelog-backed step table, and the step-assembler agent.
+"""The Faust app: one intake agent over all input topics, feeding every registered processor.
 
 Faust has no joins and no event time, so the join is ours: every input event of a session lands
-in the partition its session_id hashes to, the step's state lives in a RocksDB table whose
-changelog is co-partitioned with the inputs, and the fold itself is StepAssembler (pure logic).
+in the partition its session_id hashes to, and each processor keeps its state in RocksDB tables
+whose changelogs are co-partitioned with the inputs (see processors/step_processor.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 
 import faust
 
+from processors.base import EventProcessor
 from processors.intake import Accepted, Intake, SourceMessage
-from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
+from processors.step_processor import StepProcessor
 from processors.validation import InputValidator
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
@@ -24,7 +25,7 @@ from topics.tool_schemas import ToolSchemas
 log = logging.getLogger(__name__)
 
 DEAD_LETTER = "treadle.derived.DeadLetter"
-_OUTPUT_TOPIC = {
+OUTPUT_TOPICS = {
     "treadle.derived.Transition": "transitions",
     "treadle.derived.WovenReward": "woven_rewards",
     DEAD_LETTER: "dead_letters",
@@ -37,19 +38,28 @@ def faust_broker_url(bootstrap_servers: str) -> str:
 
 @dataclass
 class Pipeline:
-    """The app and what its agents need; built once per worker process."""
+    """The app and what its agent needs; built once per worker process."""
 
     app: faust.App
     settings: Settings
     catalog: TopicCatalog
     codec: AvroCodec
     intake: Intake
-    assembler: StepAssembler
-    steps: Any  # faust.Table[bytes, bytes]
+    processors: list[EventProcessor]
     outputs: dict[str, faust.TopicT]
 
+    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
+        topic = self.outputs[OUTPUT_TOPICS[schema_name]]
+        await topic.send(key=key, value=self.codec.encode(schema_name, record))
 
-def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeline:
+
+def default_processors() -> list[EventProcessor]:
+    return [StepProcessor()]
+
+
+def build_pipeline(
+    settings: Settings, codec: AvroCodec | None = None, processors: list[EventProcessor] | None = None
+) -> Pipeline:
     catalog = TopicCatalog(settings)
     codec = codec or AvroCodec()
     tool_schemas = ToolSchemas.load(settings.tool_schemas)
@@ -74,16 +84,12 @@ def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeli
         broker_session_timeout=15.0,
         broker_heartbeat_interval=3.0,
     )
-    steps = app.Table(
-        "steps",
-        partitions=settings.partitions,
-        key_type=bytes,  # Faust picks the raw serializer from the type; without it, JSON
-        value_type=bytes,
-        help="StepState per logical_event_id, serialized with orjson.",
-    )
+    processors = processors if processors is not None else default_processors()
+    for processor in processors:
+        processor.setup(app, settings)
     outputs = {
         kind: app.topic(catalog[kind].name, key_serializer="raw", value_serializer="raw", internal=False)
-        for kind in ("transitions", "woven_rewards", "dead_letters")
+        for kind in set(OUTPUT_TOPICS.values())
     }
     pipeline = Pipeline(
         app=app,
@@ -91,14 +97,13 @@ def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeli
         catalog=catalog,
         codec=codec,
         intake=Intake(codec, catalog, InputValidator(tool_schemas)),
-        assembler=StepAssembler(),
-        steps=steps,
+        processors=processors,
         outputs=outputs,
     )
     inputs = app.topic(*[spec.name for spec in catalog.inputs], key_serializer="raw", value_serializer="raw")
 
-    @app.agent(inputs, name="step-assembler")
-    async def step_assembler(stream: faust.StreamT) -> None:
+    @app.agent(inputs, name="intake")
+    async def intake(stream: faust.StreamT) -> None:
         async for event in stream.events():
             await handle_input(pipeline, event)
 
@@ -106,7 +111,7 @@ def build_pipeline(settings: Settings, codec: AvroCodec | None = None) -> Pipeli
 
 
 async def handle_input(pipeline: Pipeline, event: faust.EventT) -> None:
-    """Decode, validate and fold one input event; publish derived records or a dead letter."""
+    """Decode and validate one input event once, then hand it to every processor that takes it."""
     source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
     read = pipeline.intake.read(source)
     if not isinstance(read, Accepted):
@@ -117,30 +122,18 @@ async def handle_input(pipeline: Pipeline, event: faust.EventT) -> None:
             source.offset,
             read.dead_letter["reason"],
         )
-        await publish(pipeline, DEAD_LETTER, read.dead_letter, key=source.key)
+        await pipeline.publish(DEAD_LETTER, read.dead_letter, key=source.key)
         return
-    if read.schema_name not in STEP_INPUTS:
-        return  # state deltas and lifecycle events are raw events for now; the state graph folds them
-    record = read.record
-    key = record["envelope"]["logical_event_id"].encode()
-    try:
-        stored = pipeline.steps.get(key)
-        state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
-        output = pipeline.assembler.apply(state, read.schema_name, record)
-    except Exception as exc:  # a bug or corrupt state must not block the partition: keep the event, move on
-        log.exception("step assembly failed for %s[%d]@%d", source.topic, source.partition, source.offset)
-        failure = source.dead_letter(
-            DeadLetterStage.PROCESS, f"step assembly failed: {exc!r}", read.schema_name, read.record
-        )
-        await publish(pipeline, DEAD_LETTER, failure, key=source.key)
-        return
-    if output.changed:
-        pipeline.steps[key] = state.to_bytes()
-    session_key = record["envelope"]["session_id"].encode()
-    for schema_name, derived in output.records:
-        await publish(pipeline, schema_name, derived, key=session_key)
-
-
-async def publish(pipeline: Pipeline, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-    topic = pipeline.outputs[_OUTPUT_TOPIC[schema_name]]
-    await topic.send(key=key, value=pipeline.codec.encode(schema_name, record))
+    for processor in pipeline.processors:
+        if read.schema_name not in processor.inputs:
+            continue
+        try:
+            await processor.process(read.schema_name, read.record, pipeline)
+        except Exception as exc:  # a bug or corrupt state must not block the partition: keep the event, move on
+            log.exception(
+                "processor %s failed on %s[%d]@%d", processor.name, source.topic, source.partition, source.offset
+            )
+            failure = source.dead_letter(
+                DeadLetterStage.PROCESS, f"processor {processor.name} failed: {exc!r}", read.schema_name, read.record
+            )
+            await pipeline.publish(DEAD_LETTER, failure, key=source.key)
