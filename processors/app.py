@@ -7,13 +7,14 @@ whose changelogs are co-partitioned with the inputs (see processors/step_process
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 
-from processors.base import EventProcessor
+from processors.base import EventProcessor, InputEvent
 from processors.intake import Accepted, Intake, SourceMessage
 from processors.step_processor import StepProcessor
 from processors.validation import InputValidator
@@ -38,7 +39,7 @@ def faust_broker_url(bootstrap_servers: str) -> str:
 
 @dataclass
 class Pipeline:
-    """The app and what its agent needs; built once per worker process."""
+    """The app and what its agent needs; built once per worker process. Also the processors' context."""
 
     app: faust.App
     settings: Settings
@@ -46,11 +47,35 @@ class Pipeline:
     codec: AvroCodec
     intake: Intake
     processors: list[EventProcessor]
-    outputs: dict[str, faust.TopicT]
+    outputs: dict[str, str]
+    stream: Any = None  # the intake agent's faust.Stream, set when it starts
+    _sends: list[Any] = field(default_factory=list)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        topic = self.outputs[OUTPUT_TOPICS[schema_name]]
-        await topic.send(key=key, value=self.codec.encode(schema_name, record))
+        # Straight to Faust's producer (no channel machinery); Faust flushes it before committing offsets,
+        # and the batch awaits every ack (flush_sends) so a failed send fails the batch, which is redelivered.
+        value = self.codec.encode(schema_name, record)
+        self._sends.append(await self.app.producer.send(self.outputs[schema_name], key, value, None, None, None))
+
+    async def flush_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        if sends:
+            await asyncio.gather(*sends)
+
+    def bind(self, event: InputEvent) -> None:
+        # Faust tables choose the RocksDB and changelog partition from the stream's current event.
+        self.stream._set_current_event(event.event)
+
+    async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
+        log.error("processor %s failed on %s[%d]@%d: %r", processor, *_where(event.source), exc, exc_info=exc)
+        failure = event.source.dead_letter(
+            DeadLetterStage.PROCESS, f"processor {processor} failed: {exc!r}", event.schema_name, event.record
+        )
+        await self.publish(DEAD_LETTER, failure, key=event.source.key)
+
+
+def _where(source: SourceMessage) -> tuple[str, int, int]:
+    return source.topic, source.partition, source.offset
 
 
 def default_processors() -> list[EventProcessor]:
@@ -83,14 +108,12 @@ def build_pipeline(
         # A crashed worker's partitions move after this long (Faust's default is 60 s).
         broker_session_timeout=15.0,
         broker_heartbeat_interval=3.0,
+        producer_linger=0.005,  # batch output records; acks are awaited once per input batch
     )
     processors = processors if processors is not None else default_processors()
     for processor in processors:
         processor.setup(app, settings)
-    outputs = {
-        kind: app.topic(catalog[kind].name, key_serializer="raw", value_serializer="raw", internal=False)
-        for kind in set(OUTPUT_TOPICS.values())
-    }
+    outputs = {schema: catalog[kind].name for schema, kind in OUTPUT_TOPICS.items()}
     pipeline = Pipeline(
         app=app,
         settings=settings,
@@ -104,36 +127,26 @@ def build_pipeline(
 
     @app.agent(inputs, name="intake")
     async def intake(stream: faust.StreamT) -> None:
-        async for event in stream.events():
-            await handle_input(pipeline, event)
+        pipeline.stream = stream
+        async for events in stream.take_events(settings.process_batch_size, within=settings.process_batch_seconds):
+            await handle_batch(pipeline, events)
 
     return pipeline
 
 
-async def handle_input(pipeline: Pipeline, event: faust.EventT) -> None:
-    """Decode and validate one input event once, then hand it to every processor that takes it."""
-    source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
-    read = pipeline.intake.read(source)
-    if not isinstance(read, Accepted):
-        log.warning(
-            "dead letter from %s[%d]@%d: %s",
-            source.topic,
-            source.partition,
-            source.offset,
-            read.dead_letter["reason"],
-        )
-        await pipeline.publish(DEAD_LETTER, read.dead_letter, key=source.key)
-        return
-    for processor in pipeline.processors:
-        if read.schema_name not in processor.inputs:
+async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
+    """Decode and validate each event once, dead-letter the bad ones, hand the rest to the processors."""
+    valid: list[InputEvent] = []
+    for event in events:
+        source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
+        read = pipeline.intake.read(source)
+        if isinstance(read, Accepted):
+            valid.append(InputEvent(read.schema_name, read.record, source, event))
             continue
-        try:
-            await processor.process(read.schema_name, read.record, pipeline)
-        except Exception as exc:  # a bug or corrupt state must not block the partition: keep the event, move on
-            log.exception(
-                "processor %s failed on %s[%d]@%d", processor.name, source.topic, source.partition, source.offset
-            )
-            failure = source.dead_letter(
-                DeadLetterStage.PROCESS, f"processor {processor.name} failed: {exc!r}", read.schema_name, read.record
-            )
-            await pipeline.publish(DEAD_LETTER, failure, key=source.key)
+        log.warning("dead letter from %s[%d]@%d: %s", *_where(source), read.dead_letter["reason"])
+        await pipeline.publish(DEAD_LETTER, read.dead_letter, key=source.key)
+    for processor in pipeline.processors:
+        mine = [e for e in valid if e.schema_name in processor.inputs]
+        if mine:
+            await processor.process(mine, pipeline)
+    await pipeline.flush_sends()

@@ -1,21 +1,51 @@
 """What a processor is: something that folds validated input events into state and derived records.
 
-The worker's single Faust agent decodes and validates each input once, then hands it to every
-processor that declared its schema. A processor owns its Faust tables (created in `setup`) and
-publishes derived records through `Outputs`, which picks the topic from the record's schema.
+The worker's single Faust agent takes input in batches, decodes and validates each event once,
+then hands each processor the events whose schema it declared. A processor owns its Faust tables
+(created in `setup`) and publishes derived records through its `ProcessingContext`.
+
+Batches matter for speed (one state write and one output per step per batch instead of per event),
+but Faust tables pick their RocksDB partition and changelog partition from "the current event";
+`ctx.bind(event)` makes an event current so a table read or write lands in that event's partition.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import faust
 
+from processors.intake import SourceMessage
 from streams.settings import Settings
 
 
-class Outputs(Protocol):
-    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None: ...
+@dataclass(frozen=True)
+class InputEvent:
+    """A decoded, valid input event with where it came from."""
+
+    schema_name: str
+    record: dict[str, Any]
+    source: SourceMessage
+    event: Any  # the faust.EventT, for ctx.bind
+
+    @property
+    def session_key(self) -> bytes:
+        return self.record["envelope"]["session_id"].encode()
+
+
+class ProcessingContext(Protocol):
+    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
+        """Send a derived record to the topic its schema belongs to (acked before input offsets commit)."""
+        ...
+
+    def bind(self, event: InputEvent) -> None:
+        """Make `event` current, so Faust table reads/writes use its partition."""
+        ...
+
+    async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
+        """Send `event` to dead letters (stage PROCESS) because `processor` could not fold it."""
+        ...
 
 
 class EventProcessor(Protocol):
@@ -28,6 +58,6 @@ class EventProcessor(Protocol):
         """Create tables and timers; called once while the app is built."""
         ...
 
-    async def process(self, schema_name: str, record: dict[str, Any], outputs: Outputs) -> None:
-        """Fold one valid event; raising sends it to dead letters (stage PROCESS) and moves on."""
+    async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
+        """Fold a batch (in arrival order); an event that cannot be folded goes to ctx.failed."""
         ...

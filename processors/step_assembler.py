@@ -83,10 +83,11 @@ class StepAssembler:
     def __init__(self, fusion: FusionPolicy | None = None) -> None:
         self.fusion = fusion or ConfidenceWeightedMean()
 
-    def apply(self, state: StepState, schema_name: str, record: dict[str, Any]) -> StepOutput:
+    def fold(self, state: StepState, schema_name: str, record: dict[str, Any]) -> bool:
+        """Add one event to the step; False when it was already folded in (a duplicate)."""
         event_id = record["envelope"]["event_id"]
         if event_id in state.event_ids:
-            return StepOutput(records=self.outputs(state), changed=False)
+            return False
         if schema_name == DISPATCH:
             self._add_dispatch(state, record)
         elif schema_name == RESULT:
@@ -95,7 +96,12 @@ class StepAssembler:
             state.rewards[event_id] = record
         else:
             raise ValueError(f"step assembler does not take {schema_name}")
-        return StepOutput(records=self.outputs(state, reward_changed=schema_name != RESULT), changed=True)
+        return True
+
+    def apply(self, state: StepState, schema_name: str, record: dict[str, Any]) -> StepOutput:
+        """Fold one event and return the step's current rows (re-emitted for duplicates too)."""
+        changed = self.fold(state, schema_name, record)
+        return StepOutput(records=self.outputs(state), changed=changed)
 
     @staticmethod
     def _add_dispatch(state: StepState, record: dict[str, Any]) -> None:
@@ -111,13 +117,13 @@ class StepAssembler:
             state.extra_dispatches.append(record["envelope"]["event_id"])
         state.extra_dispatches.sort()
 
-    def outputs(self, state: StepState, reward_changed: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    def outputs(self, state: StepState) -> list[tuple[str, dict[str, Any]]]:
         """The current derived records of the step; empty until its dispatch has arrived."""
         if state.dispatch is None:
             return []
         woven = self.woven_reward(state)
         records: list[tuple[str, dict[str, Any]]] = []
-        if woven is not None and reward_changed:
+        if woven is not None:
             records.append(("treadle.derived.WovenReward", woven))
         records.append(("treadle.derived.Transition", self.transition(state, woven)))
         return records

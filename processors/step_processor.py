@@ -1,14 +1,26 @@
-"""The step assembler as a Faust processor: StepState per logical_event_id in a RocksDB table."""
+"""The step assembler as a Faust processor: StepState per logical_event_id in a RocksDB table.
+
+Per batch, each touched step is read once, folded with all its events, written once and its
+current rows published once; the fold is order-independent, so batching changes no result.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import faust
 
-from processors.base import Outputs
+from processors.base import InputEvent, ProcessingContext
 from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
 from streams.settings import Settings
+
+
+@dataclass
+class _Touched:
+    state: StepState
+    event: InputEvent  # any event of the step: all share its session's partition
+    changed: bool = False
 
 
 class StepProcessor:
@@ -28,13 +40,24 @@ class StepProcessor:
             help="StepState per logical_event_id, serialized with orjson.",
         )
 
-    async def process(self, schema_name: str, record: dict[str, Any], outputs: Outputs) -> None:
-        key = record["envelope"]["logical_event_id"].encode()
-        stored = self.table.get(key)
-        state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
-        output = self.assembler.apply(state, schema_name, record)
-        if output.changed:
-            self.table[key] = state.to_bytes()
-        session_key = record["envelope"]["session_id"].encode()
-        for derived_schema, derived in output.records:
-            await outputs.publish(derived_schema, derived, key=session_key)
+    async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
+        touched: dict[bytes, _Touched] = {}
+        for event in events:
+            key = event.record["envelope"]["logical_event_id"].encode()
+            entry = touched.get(key)
+            try:
+                if entry is None:
+                    ctx.bind(event)
+                    stored = self.table.get(key)
+                    state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
+                    entry = touched[key] = _Touched(state, event)
+                entry.changed |= self.assembler.fold(entry.state, event.schema_name, event.record)
+            except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
+                await ctx.failed(self.name, event, exc)
+        for key, entry in touched.items():
+            if entry.changed:
+                ctx.bind(entry.event)
+                self.table[key] = entry.state.to_bytes()
+            # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
+            for schema_name, record in self.assembler.outputs(entry.state):
+                await ctx.publish(schema_name, record, key=entry.event.session_key)

@@ -68,6 +68,12 @@ class Settings(BaseModel):
     web_port: int = Field(
         default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/sql for `treadle sql`, Faust pages)."
     )
+    process_batch_size: int = Field(
+        default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
+    )
+    process_batch_seconds: float = Field(
+        default=0.05, description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch before folding it."
+    )
     sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
     sink_flush_seconds: float = Field(
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
