@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+from faust.streams import _current_event
 
 from processors.base import EventProcessor, InputEvent
 from processors.intake import Accepted, Intake, SourceMessage
@@ -30,6 +32,7 @@ OUTPUT_TOPICS = {
     "treadle.derived.Transition": "transitions",
     "treadle.derived.WovenReward": "woven_rewards",
     DEAD_LETTER: "dead_letters",
+    "treadle.derived.StateVersion": "state_versions",
 }
 
 
@@ -48,7 +51,6 @@ class Pipeline:
     intake: Intake
     processors: list[EventProcessor]
     outputs: dict[str, str]
-    stream: Any = None  # the intake agent's faust.Stream, set when it starts
     _sends: list[Any] = field(default_factory=list)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
@@ -63,8 +65,10 @@ class Pipeline:
             await asyncio.gather(*sends)
 
     def bind(self, event: InputEvent) -> None:
-        # Faust tables choose the RocksDB and changelog partition from the stream's current event.
-        self.stream._set_current_event(event.event)
+        # Faust tables choose the RocksDB and changelog partition from current_event(), a context
+        # variable of this task. Set only that: Stream._set_current_event would also overwrite the
+        # attribute that take_events' background buffering reads, and swap events in the next batch.
+        _current_event.set(weakref.ref(event.event))
 
     async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
         log.error("processor %s failed on %s[%d]@%d: %r", processor, *_where(event.source), exc, exc_info=exc)
@@ -79,7 +83,9 @@ def _where(source: SourceMessage) -> tuple[str, int, int]:
 
 
 def default_processors() -> list[EventProcessor]:
-    return [StepProcessor()]
+    from processors.state_processor import StateProcessor
+
+    return [StepProcessor(), StateProcessor()]
 
 
 def build_pipeline(
@@ -127,7 +133,6 @@ def build_pipeline(
 
     @app.agent(inputs, name="intake")
     async def intake(stream: faust.StreamT) -> None:
-        pipeline.stream = stream
         async for events in stream.take_events(settings.process_batch_size, within=settings.process_batch_seconds):
             await handle_batch(pipeline, events)
 

@@ -50,7 +50,7 @@ class ExpectedStep:
 def make_workload(rng: random.Random, sessions: int, steps: int, duplicate_rate: float = 0.1) -> list[ExpectedStep]:
     expected = []
     for s in range(sessions):
-        session = f"sess-{s}-{uuid7()[:8]}"
+        session = f"sess-{s}-{uuid7()[-8:]}"
         seq = 0
         for k in range(steps):
             lid = uuid7()
