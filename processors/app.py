@@ -56,8 +56,10 @@ class Pipeline:
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         # Straight to Faust's producer (no channel machinery); Faust flushes it before committing offsets,
         # and the batch awaits every ack (flush_sends) so a failed send fails the batch, which is redelivered.
-        value = self.codec.encode(schema_name, record)
-        self._sends.append(await self.app.producer.send(self.outputs[schema_name], key, value, None, None, None))
+        await self.send(self.outputs[schema_name], key, self.codec.encode(schema_name, record))
+
+    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
+        self._sends.append(await self.app.producer.send(topic, key, value, partition, None, None))
 
     async def flush_sends(self) -> None:
         sends, self._sends = self._sends, []
@@ -82,10 +84,15 @@ def _where(source: SourceMessage) -> tuple[str, int, int]:
     return source.topic, source.partition, source.offset
 
 
-def default_processors() -> list[EventProcessor]:
+def default_processors(names: tuple[str, ...] = ("steps",)) -> list[EventProcessor]:
+    """The built-in processors named in TREADLE_PROCESSORS, in that order."""
     from processors.state_processor import StateProcessor
 
-    return [StepProcessor(), StateProcessor()]
+    known: dict[str, type] = {"steps": StepProcessor, "state": StateProcessor}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown processor(s) {unknown} in TREADLE_PROCESSORS; known: {sorted(known)}")
+    return [known[name]() for name in names]
 
 
 def build_pipeline(
@@ -116,7 +123,7 @@ def build_pipeline(
         broker_heartbeat_interval=3.0,
         producer_linger=0.005,  # batch output records; acks are awaited once per input batch
     )
-    processors = processors if processors is not None else default_processors()
+    processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
         processor.setup(app, settings)
     outputs = {schema: catalog[kind].name for schema, kind in OUTPUT_TOPICS.items()}

@@ -39,6 +39,10 @@ class ProcessingContext(Protocol):
         """Send a derived record to the topic its schema belongs to (acked before input offsets commit)."""
         ...
 
+    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
+        """Send raw bytes (e.g. a table changelog record), acked like `publish`."""
+        ...
+
     def bind(self, event: InputEvent) -> None:
         """Make `event` current, so Faust table reads/writes use its partition."""
         ...

@@ -162,10 +162,13 @@ class Pending:
 
 @dataclass
 class Undo:
+    """How to step back over one version: the values it replaced, kept in their serialized (dict) form so the
+    session state (de)serializes in C (orjson) and records are only rebuilt when a rollback needs them."""
+
     version_id: str
     parent_id: str
-    nodes: dict[str, NodeRec | None]
-    edges: dict[EdgeKey, EdgeRec | None]
+    nodes: dict[str, dict[str, Any] | None]
+    edges: list[list[Any]]  # [src, dst, type, EdgeRec dict | None]
 
 
 @dataclass
@@ -181,7 +184,7 @@ class SessionState:
     edge_count: int = 0
     heads: dict[str, int] = field(default_factory=dict)
     buffer: list[Pending] = field(default_factory=list)
-    undo: list[Undo] = field(default_factory=list)
+    undo: list[list[Any]] = field(default_factory=list)  # Undo fields as lists: loaded and saved by orjson alone
     ttl: list[tuple[int, str]] = field(default_factory=list)  # heap of (expires_at, node_id); stale entries skipped
 
     def __post_init__(self) -> None:
@@ -200,15 +203,7 @@ class SessionState:
                 "e": self.edge_count,
                 "h": self.heads,
                 "b": [[p.seq, p.event_id, p.schema, p.record] for p in self.buffer],
-                "u": [
-                    [
-                        u.version_id,
-                        u.parent_id,
-                        {k: (v.to_dict() if v else None) for k, v in u.nodes.items()},
-                        [[*k, v.to_dict() if v else None] for k, v in u.edges.items()],
-                    ]
-                    for u in self.undo
-                ],
+                "u": self.undo,
                 "x": self.ttl,
             }
         )
@@ -226,15 +221,7 @@ class SessionState:
             edge_count=d["e"],
             heads=d["h"],
             buffer=[Pending(*p) for p in d["b"]],
-            undo=[
-                Undo(
-                    v,
-                    p,
-                    {k: (NodeRec.from_dict(x) if x else None) for k, x in nodes.items()},
-                    {(s, t, k): (EdgeRec.from_dict(x) if x else None) for s, t, k, x in edges},
-                )
-                for v, p, nodes, edges in d["u"]
-            ],
+            undo=d["u"],
             ttl=[(int(a), str(b)) for a, b in d["x"]],
         )
 
@@ -329,12 +316,29 @@ class StateFold:
         self, state: SessionState, store: GraphStore, schema: str, record: dict[str, Any], *, late: bool = False
     ) -> dict[str, Any]:
         """Apply one event now, making one version; raises StateError (state unchanged) if it cannot."""
+        popped: list[tuple[int, str]] = []
+        try:
+            return self._version(state, store, schema, record, late, popped)
+        except StateError:
+            for entry in popped:  # TTL entries taken before the refusal must still expire later
+                heapq.heappush(state.ttl, entry)
+            raise
+
+    def _version(
+        self,
+        state: SessionState,
+        store: GraphStore,
+        schema: str,
+        record: dict[str, Any],
+        late: bool,
+        popped: list[tuple[int, str]],
+    ) -> dict[str, Any]:
         env = record["envelope"]
         session = state.session_id
         time = max(state.time, int(env["event_time"]))
         ordinal = state.ordinal + 1
         stage = _Stage(store, session)
-        expired = self._expire(state, stage, time)
+        expired = self._expire(state, stage, time, popped)
         node_ops, edge_ops, tool, kind = self._operations(stage, schema, record, time)
         rollback_to = record.get("rollback_to") if schema == DELTA else None
         if rollback_to:
@@ -373,7 +377,14 @@ class StateFold:
         for node_id, rec in stage.nodes_after():
             if rec is not None and rec.expires_at is not None:
                 heapq.heappush(state.ttl, (rec.expires_at, node_id))
-        state.undo.append(Undo(version_id, state.version_id, undo[0], undo[1]))
+        state.undo.append(
+            [
+                version_id,
+                state.version_id,
+                {k: (v.to_dict() if v else None) for k, v in undo[0].items()},
+                [[*k, v.to_dict() if v else None] for k, v in undo[1].items()],
+            ]
+        )
         del state.undo[: max(0, len(state.undo) - self.config.history)]
         if len(state.ttl) > 2 * max(node_count, 16):
             state.ttl = [(t, n) for t, n in state.ttl if _expires(store.get_node(session, n)) == t]
@@ -437,10 +448,11 @@ class StateFold:
                 edges += [((f"action:{lid}", node_id, "causes"), "{}") for node_id, up in nodes if up is not None]
         return nodes, edges, tool, "delta"
 
-    def _expire(self, state: SessionState, stage: _Stage, time: int) -> list[str]:
+    def _expire(self, state: SessionState, stage: _Stage, time: int, popped: list[tuple[int, str]]) -> list[str]:
         expired: list[str] = []
         while state.ttl and state.ttl[0][0] <= time:
             expires_at, node_id = heapq.heappop(state.ttl)
+            popped.append((expires_at, node_id))
             current = stage.node(node_id)
             if current is not None and current.expires_at == expires_at:
                 stage.set_node(node_id, None, "expire")
@@ -451,7 +463,8 @@ class StateFold:
         if target == state.version_id:
             return
         chain: list[Undo] = []
-        for undo in reversed(state.undo):
+        for raw in reversed(state.undo):
+            undo = Undo(*raw)
             chain.append(undo)
             if undo.parent_id == target:
                 break
@@ -463,8 +476,8 @@ class StateFold:
         nodes: dict[str, NodeRec | None] = {}
         edges: dict[EdgeKey, EdgeRec | None] = {}
         for undo in chain:  # newest first: older entries overwrite, leaving the values at `target`
-            nodes.update(undo.nodes)
-            edges.update(undo.edges)
+            nodes.update({k: (NodeRec.from_dict(v) if v else None) for k, v in undo.nodes.items()})
+            edges.update({(a, b, c): (EdgeRec.from_dict(v) if v else None) for a, b, c, v in undo.edges})
         ordinal = state.ordinal + 1
         for node_id, rec in sorted(nodes.items()):
             if rec is not None and rec.expires_at is not None and rec.expires_at <= time:

@@ -11,6 +11,7 @@ from typing import Any
 
 import faust
 
+from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
 from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
 from streams.settings import Settings
@@ -56,8 +57,7 @@ class StepProcessor:
                 await ctx.failed(self.name, event, exc)
         for key, entry in touched.items():
             if entry.changed:
-                ctx.bind(entry.event)
-                self.table[key] = entry.state.to_bytes()
+                await table_writes.put(self.table, key, entry.state.to_bytes(), entry.event, ctx)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
             for schema_name, record in self.assembler.outputs(entry.state):
                 await ctx.publish(schema_name, record, key=entry.event.session_key)

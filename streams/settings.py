@@ -68,6 +68,11 @@ class Settings(BaseModel):
     web_port: int = Field(
         default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/sql for `treadle sql`, Faust pages)."
     )
+    processors: tuple[str, ...] = Field(
+        default=("steps",),
+        description="TREADLE_PROCESSORS: comma-separated built-in processors the worker runs: steps, state "
+        "(the state graph is opt-in until its table writes take the batched path).",
+    )
     process_batch_size: int = Field(
         default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
     )
@@ -124,6 +129,8 @@ class Settings(BaseModel):
         """The environment variables that reproduce these settings in another process."""
         env = {}
         for field, value in self.model_dump().items():
+            if isinstance(value, tuple):
+                value = ",".join(value)
             if value is not None:
                 env[_ENV_NAMES.get(field, f"TREADLE_{field.upper()}")] = str(
                     int(value) if isinstance(value, bool) else value
@@ -137,6 +144,6 @@ class Settings(BaseModel):
         for field in cls.model_fields:
             var = _ENV_NAMES.get(field, f"TREADLE_{field.upper()}")
             if env.get(var):
-                values[field] = env[var]
+                values[field] = tuple(env[var].split(",")) if field == "processors" else env[var]
         values.update(overrides)
         return cls(**values)

@@ -89,7 +89,7 @@ def nodes_sql(session: str, at: At) -> str:
     else:
         o = f"(SELECT ordinal FROM state_versions_latest WHERE {at.version_filter(session)} LIMIT 1)"
         where = f"from_ordinal <= {o} AND to_ordinal > {o}"
-    return f"SELECT {cols} FROM state_nodes_latest WHERE session_id = {s} AND {where} ORDER BY node_id"
+    return f"SELECT {cols} FROM state_nodes_latest WHERE session_id = {s} AND {where}"  # unordered: no sort of V nodes
 
 
 def edges_sql(session: str, at: At) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from processors.state_graph import (
@@ -300,8 +300,15 @@ def intervals_at(versions: list[dict], ordinal: int) -> tuple[dict, set]:
     return nodes, edges
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=op_strategy, seed=st.integers(0, 2**32), history=st.sampled_from([3, 256]))
+@example(  # a refused rollback once lost the TTL entries its version had already taken
+    ops=[("delta", [], [], [], [], False), ("delta", [], [], [], [], False),
+         ("delta", [("n0", "note", 0, 2)], [], [], [], False), ("rollback", 0), ("rollback", 4),
+         ("delta", [], [], [], [], False)],
+    seed=0,
+    history=3,
+)  # fmt: skip
 def test_every_version_equals_the_oracle_whatever_the_arrival_order(ops, seed, history):
     events, oracle, _ = build(ops, history)
     rng = random.Random(seed)

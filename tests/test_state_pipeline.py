@@ -92,6 +92,12 @@ def workloads(seed: int, sessions: int, ops: int, prefix: str):
     return out
 
 
+@pytest.fixture
+def deployment(deployment: Settings) -> Settings:
+    """conftest's deployment with the (opt-in) state-graph processor running beside the step assembler."""
+    return deployment.model_copy(update={"processors": ("steps", "state")})
+
+
 def test_state_at_every_version_matches_the_oracle_in_clickhouse_and_redis(deployment, worker_factory):
     worker = worker_factory().start()
     runs = workloads(11, 3, 40, deployment.topic_prefix)

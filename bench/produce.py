@@ -1,0 +1,105 @@
+"""Section 1: SDK produce rate vs raw aiokafka sending the same number of pre-encoded events.
+
+Both use the SDK's producer configuration (streams.producer.producer_config: acks=all, idempotence, linger 5 ms)
+and one shared producer; both end with every event acknowledged by the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiokafka import AIOKafkaProducer
+
+from bench.common import Measurement, median_run
+from bench.workload import encoded_events, make_steps
+from streams.producer import producer_config
+from streams.sdk import AgentStream
+from streams.settings import Settings
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.tool_schemas import ToolSchemas
+
+SECTION = "1. SDK produce"
+SDK_COMMAND = (
+    "AgentStream.dispatch + tool_call (ctx) + reward per step, {sessions} streams on one shared producer; then flush()"
+)
+RAW_COMMAND = "AIOKafkaProducer.send(topic, pre-encoded bytes, key=session); then flush()"
+OUTPUT = "result text 123456 " * 4  # about the size of the workload's tool outputs
+
+
+async def _sdk_once(settings: Settings, sessions: int, steps: int, codec: AvroCodec) -> float:
+    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-sdk"))
+    await producer.start()
+    try:
+        tools = ToolSchemas()
+        streams = [
+            AgentStream(settings, agent_id="bench-agent", policy_version="v1", producer=producer, codec=codec,
+                        tool_schemas=tools)
+            for _ in range(sessions)
+        ]  # fmt: skip
+        for stream in streams:
+            await stream.start()  # learns partitions; not part of the hot path
+        started = time.perf_counter()
+        for k in range(steps):
+            for stream in streams:
+                step = await stream.dispatch("search", {"q": f"query {k}", "limit": 10})
+                async with stream.tool_call(step) as call:
+                    call.output = OUTPUT
+                    call.tokens_in, call.tokens_out = 120, 40
+                await stream.reward(step, 0.5, source="judge", name="quality", confidence=0.9, annotator="LLM")
+        for stream in streams:
+            await stream.flush()
+        elapsed = time.perf_counter() - started
+        for stream in streams:
+            await stream.close()
+        return elapsed
+    finally:
+        await producer.stop()
+
+
+async def _raw_once(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> float:
+    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-raw"))
+    await producer.start()
+    try:
+        for topic in {topic for topic, _, _ in events}:
+            await producer.partitions_for(topic)  # metadata before the clock, as AgentStream.start does
+        started = time.perf_counter()
+        for topic, key, value in events:
+            await producer.send(topic, value, key=key)
+        await producer.flush()
+        return time.perf_counter() - started
+    finally:
+        await producer.stop()
+
+
+async def run_produce(settings: Settings, events: int, sessions: int, repeats: int) -> list[Measurement]:
+    """Alternate raw and SDK runs (after one small warm-up of each); report the median of `repeats`."""
+    codec = AvroCodec()
+    steps_per_session = max(1, events // (3 * sessions))
+    n = 3 * sessions * steps_per_session
+    catalog = TopicCatalog(settings)
+    steps = make_steps(n, sessions, seed=1, rewards=(1, 1))
+    raw_events = [(catalog[kind].name, key, value) for kind, key, value in encoded_events(steps, codec)]
+    assert len(raw_events) == n, (len(raw_events), n)
+    avg_bytes = sum(len(v) for _, _, v in raw_events) / n
+
+    await _raw_once(settings, raw_events[: min(n, 3000)])
+    await _sdk_once(settings, min(sessions, 50), 20, codec)
+    raw_samples, sdk_samples = [], []
+    for _ in range(repeats):
+        raw_samples.append(await _raw_once(settings, raw_events))
+        sdk_samples.append(await _sdk_once(settings, sessions, steps_per_session, codec))
+    raw = median_run(
+        SECTION, "raw aiokafka", RAW_COMMAND, n, "events", raw_samples,
+        notes=[f"pre-encoded, {avg_bytes:.0f} B/event avg"],
+    )  # fmt: skip
+    sdk = median_run(
+        SECTION, "SDK AgentStream", SDK_COMMAND.format(sessions=sessions), n, "events", sdk_samples,
+        baseline="raw aiokafka", target=0.7, notes=["validate + build + Avro-encode + send + ack tracking"],
+    )  # fmt: skip
+    return [raw, sdk]
+
+
+def produce_section(settings: Settings, events: int, sessions: int, repeats: int) -> list[Measurement]:
+    return asyncio.run(run_produce(settings, events, sessions, repeats))

@@ -1,0 +1,307 @@
+"""Section 2: worker input events/s (input topics -> final-revision Transitions on the transitions topic).
+
+A real `treadle worker` subprocess (pinned to one core with taskset when available) is started and awaited
+until ready; then N pre-encoded input events are produced as fast as the broker takes them, and the clock
+stops when every step's final-revision Transition has been read back from the transitions topic. The
+baseline is a bare consume + decode loop over the same input topics, in its own process on the same core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
+from bench.workload import TRANSITION, Step, encoded_events, make_steps
+from streams.producer import producer_config
+from streams.settings import REPO_ROOT, Settings
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+
+SECTION = "2. worker"
+WORKER_COMMAND = "{pin}: input topics -> every step's final Transition on the topic"
+CLICKHOUSE_COMMAND = "same run, until transitions_latest + raw_events_latest are complete (run_sql via worker /sql)"
+VISIBLE_SQL = (
+    "SELECT (SELECT count() FROM transitions_latest) AS steps, "
+    "(SELECT sum(revision) FROM transitions_latest) AS revisions, "
+    "(SELECT count() FROM raw_events_latest) AS raw_events"
+)
+
+
+class BenchWorker:
+    """`treadle worker` in its own process group, optionally pinned to one core."""
+
+    def __init__(self, settings: Settings, pin: bool, argv: list[str] | None = None) -> None:
+        self.settings = settings
+        self.pin = pin
+        self.argv = argv or [sys.executable, "-m", "streams.cli", "worker", "--loglevel", "info"]
+        self.log_path = settings.home / "worker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> BenchWorker:
+        self.settings.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.settings.to_env()}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                pinned(self.argv, self.pin),
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> float:
+        from streams.worker import WorkerInfo
+
+        started = time.perf_counter()
+        while time.perf_counter() - started < timeout:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+            info = WorkerInfo.read(self.settings)
+            if info is not None and info.pid == self.proc.pid:
+                return time.perf_counter() - started
+            time.sleep(0.1)
+        raise RuntimeError(f"worker not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@dataclass
+class Watch:
+    """What the transitions topic showed during the run."""
+
+    produced_s: float = 0.0  # all input acknowledged by the broker
+    first_s: float | None = None  # first Transition read back
+    done_s: float | None = None  # last step's final revision read back
+    final: int = 0
+    transitions: int = 0
+    over_revision: int = 0  # revision above the expected final one: a correctness bug
+    repeats: int = 0  # the same (step, revision) read twice: reprocessing
+    seen: set = field(default_factory=set)
+    milestones: dict[int, float] = field(default_factory=dict)  # percent of steps final -> seconds
+
+
+async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, bytes, bytes]], timeout: float):
+    codec = AvroCodec()
+    topic = TopicCatalog(settings)["transitions"].name
+    expected = {s.logical_event_id: s.final_revision for s in steps}
+    watch = Watch()
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=5000,
+    )
+    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-input"))
+    await consumer.start()
+    await producer.start()
+    try:
+        partitions = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        for name in {name for name, _, _ in events}:
+            await producer.partitions_for(name)
+        started = time.perf_counter()
+
+        async def read_back() -> None:
+            pending = set(expected)
+            marks = [(p, len(expected) * p // 100) for p in (10, 50, 90)]
+            while pending:
+                batches = await consumer.getmany(timeout_ms=100, max_records=5000)
+                now = time.perf_counter() - started
+                for messages in batches.values():
+                    for message in messages:
+                        record = codec.decode(message.value, expect=TRANSITION)[1]
+                        lid, revision = record["logical_event_id"], record["revision"]
+                        watch.transitions += 1
+                        if watch.first_s is None:
+                            watch.first_s = now
+                        if (lid, revision) in watch.seen:
+                            watch.repeats += 1
+                        watch.seen.add((lid, revision))
+                        want = expected.get(lid)
+                        if want is None:
+                            continue
+                        if revision > want:
+                            watch.over_revision += 1
+                        elif revision == want and lid in pending:
+                            pending.discard(lid)
+                            watch.final += 1
+                while marks and watch.final >= marks[0][1]:
+                    watch.milestones[marks.pop(0)[0]] = now
+            watch.done_s = time.perf_counter() - started
+
+        reader = asyncio.create_task(read_back())
+        for name, key, value in events:
+            await producer.send(name, value, key=key)
+        await producer.flush()
+        watch.produced_s = time.perf_counter() - started
+        try:
+            await asyncio.wait_for(reader, max(1.0, timeout - watch.produced_s))
+        except TimeoutError:
+            pass
+        return watch, started
+    finally:
+        await producer.stop()
+        await consumer.stop()
+
+
+def _wait_visible(settings: Settings, want: tuple[int, int, int], started: float, timeout: float):
+    """Seconds since `started` until the ClickHouse views hold every row, or None; and the last answer."""
+    from streams.sql_client import run_sql
+
+    deadline = time.perf_counter() + timeout
+    last = None
+    while time.perf_counter() < deadline:
+        _, rows = run_sql(settings, VISIBLE_SQL)
+        last = tuple(int(v or 0) for v in rows[0])
+        if last == want:
+            return time.perf_counter() - started, last
+        time.sleep(0.1)
+    return None, last
+
+
+def _py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        return None
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def worker_section(
+    settings: Settings,
+    *,
+    events: int,
+    sessions: int,
+    pin: bool,
+    timeout: float,
+    clickhouse: bool,
+    profile: Path | None,
+    log_dir: Path,
+    worker_argv: list[str] | None = None,
+) -> tuple[list[Measurement], list[str]]:
+    """The worker run, its ClickHouse visibility and the raw consume baseline; plus lines for the log."""
+    from streams.worker import prepare_cluster
+
+    asyncio.run(prepare_cluster(settings))
+    codec = AvroCodec()
+    catalog = TopicCatalog(settings)
+    steps = make_steps(events, sessions, seed=7)
+    encoded = [(catalog[kind].name, key, value) for kind, key, value in encoded_events(steps, codec)]
+    n = len(encoded)
+    info: list[str] = []
+
+    worker = BenchWorker(settings, pin, worker_argv).start()
+    spy = None
+    try:
+        ready_s = worker.wait_ready(120)
+        info.append(f"worker pid {worker.pid} ready after {ready_s:.1f}s; log {worker.log_path}")
+        if profile is not None:
+            spy = _py_spy(worker.pid, profile)
+            info.append(f"py-spy raw profile -> {profile}" if spy else "py-spy not installed: no profile")
+        cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        watch, started = asyncio.run(_drive(settings, steps, encoded, timeout))
+        cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
+        visible_s = visible = None
+        if clickhouse and watch.done_s is not None:
+            want = (len(steps), sum(s.final_revision for s in steps), n)
+            visible_s, visible = _wait_visible(settings, want, started, 60)
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+        worker.stop()
+
+    rewards = n - 2 * len(steps)
+    elapsed = watch.done_s if watch.done_s is not None else timeout
+    notes = [
+        f"{len(steps)} steps over {sessions} sessions (dispatch + result + 1-3 rewards; {rewards} rewards)",
+        f"input produced+acked in {watch.produced_s:.2f}s; first Transition at {watch.first_s or float('nan'):.2f}s",
+        f"{watch.transitions} Transitions read back; steps final: "
+        + ", ".join(f"{p}% at {t:.1f}s" for p, t in watch.milestones.items()),
+    ]
+    if cpu_before is not None and cpu_after is not None and elapsed > 0:
+        used = cpu_after - cpu_before
+        notes.append(f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core")
+        notes.append(f"by thread: {busiest_threads(worker.pid, threads_before, threads_after)}")
+    if watch.over_revision or watch.repeats:
+        notes.append(
+            f"[red]check: {watch.over_revision} Transitions above their step's final revision, "
+            f"{watch.repeats} repeated (step, revision) pairs[/]"
+        )
+    measured = Measurement(
+        SECTION,
+        "treadle worker",
+        (f"`{' '.join(worker_argv)}`" if worker_argv else "`python -m streams.cli worker`")
+        + WORKER_COMMAND.format(pin=f" under taskset -c {WORKER_CORE}" if pin else " (not pinned)"),
+        n,
+        "events",
+        elapsed,
+        baseline="raw consume+decode",
+        target=5000.0,
+        target_is_rate=True,
+        complete=watch.done_s is not None,
+        notes=notes if watch.done_s is not None else [f"TIMED OUT: {watch.final}/{len(steps)} steps final", *notes],
+    )
+    results = [measured]
+    if clickhouse and watch.done_s is not None:
+        results.append(
+            Measurement(
+                SECTION,
+                "  ... rows in ClickHouse",
+                CLICKHOUSE_COMMAND,
+                n,
+                "events",
+                visible_s if visible_s is not None else 60.0,
+                complete=visible_s is not None,
+                notes=[f"after {visible_s - watch.done_s:.2f}s more" if visible_s else f"last answer {visible}"],
+            )
+        )
+    baseline = run_module(
+        "bench.consume",
+        [
+            "--bootstrap", settings.kafka_bootstrap_servers, "--prefix", settings.topic_prefix,
+            "--partitions", str(settings.partitions), "--events", str(n), "--timeout", "60",
+        ],
+        pin=pin,
+        timeout=120,
+        log=log_dir / "consume.log",
+    )  # fmt: skip
+    return [*baseline, *results], info

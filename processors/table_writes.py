@@ -1,0 +1,28 @@
+"""Writing a Faust table from a batch: RocksDB plus changelog, without Faust's per-message slow path.
+
+`table[key] = value` queues the changelog record in Faust's ProducerBuffer, which sends one message
+per event-loop turn and throttles the stream once 100 are pending; measured on this project, that
+capped a worker at ~800 input events/s. `put` writes the same RocksDB entry and sends the same
+changelog record (same topic, partition, key and value) through the producer directly, acked with
+the batch's outputs, so Faust's recovery replays it exactly as its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from processors.base import InputEvent, ProcessingContext
+
+
+async def put(table: Any, key: bytes, value: bytes, event: InputEvent, ctx: ProcessingContext) -> None:
+    """table[key] = value in the partition of `event` (any event of the key's session)."""
+    ctx.bind(event)
+    table.data[key] = value  # the RocksDB store picks the bound event's partition
+    await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=event.source.partition)
+
+
+async def delete(table: Any, key: bytes, event: InputEvent, ctx: ProcessingContext) -> None:
+    """del table[key]: a tombstone in the changelog, so compaction and recovery drop the key too."""
+    ctx.bind(event)
+    table.data.pop(key, None)
+    await ctx.send(table.changelog_topic.get_topic_name(), key, None, partition=event.source.partition)
