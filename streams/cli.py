@@ -107,9 +107,14 @@ def status() -> None:
 
     s = settings()
     _print_status(LocalStack(s).status())
+    from streams.sink_service import SqlEndpoint
+
     info = WorkerInfo.read(s)
     where = f"running, pid {info.pid}, http://127.0.0.1:{info.web_port}" if info else "not running"
     console.print(f"worker: {where}")
+    endpoint = SqlEndpoint.read(s)
+    sink_state = f"running, pid {endpoint.pid}, SQL on 127.0.0.1:{endpoint.port}" if endpoint else "not running"
+    console.print(f"sink: {sink_state}")
 
 
 def _print_status(status: Any) -> None:
@@ -129,6 +134,18 @@ def worker(loglevel: str = typer.Option("info", help="Log level: debug, info, wa
     from streams.worker import run_worker
 
     run_worker(settings(), loglevel=loglevel)
+
+
+@app.command()
+@friendly
+def sink(
+    parent: int = typer.Option(0, help="Stop when this worker PID is gone (set by `treadle worker`)."),
+) -> None:
+    """Run the ClickHouse sink and the read-only SQL endpoint (the worker starts one by default)."""
+    from streams.sink_service import run_sink
+
+    logging.getLogger().setLevel(logging.INFO)
+    run_sink(settings(), parent_pid=parent or None)
 
 
 @app.command()

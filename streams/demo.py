@@ -285,7 +285,7 @@ def _print_results(settings: Settings, run_id: str, counts: DemoCounts, console:
         for row in rows:
             table.add_row(*["NULL" if v is None else str(v) for v in row])
         console.print(table)
-    console.print(f"query it yourself: treadle sql \"SELECT * FROM transitions_latest {where} LIMIT 5\"")
+    console.print(f'query it yourself: treadle sql "SELECT * FROM transitions_latest {where} LIMIT 5"')
 
 
 def run_demo(settings: Settings, *, sessions: int, steps: int, seed: int, timeout: float, console: Console) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,6 +79,14 @@ class Settings(BaseModel):
     )
     process_batch_seconds: float = Field(
         default=0.05, description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch before folding it."
+    )
+    sink: Literal["child", "off"] = Field(
+        default="child",
+        description="TREADLE_SINK: child = `treadle worker` runs `treadle sink` as a child process; "
+        "off = processors only (run `treadle sink` yourself).",
+    )
+    sql_port: int = Field(
+        default=16067, description="TREADLE_SQL_PORT: 127.0.0.1 port where the sink answers `treadle sql`."
     )
     sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
     sink_flush_seconds: float = Field(

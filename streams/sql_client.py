@@ -1,7 +1,7 @@
-"""Where `treadle sql` runs a query: through the worker that owns embedded chDB, or directly.
+"""Where `treadle sql` runs a query: through the sink that owns embedded chDB, or directly.
 
-chDB allows one process per data path, so while a worker runs, a second process cannot open the
-database even to read; the worker serves read-only SQL on 127.0.0.1 for exactly this.
+chDB allows one process per data path, so while a sink runs, a second process cannot open the
+database even to read; the sink serves read-only SQL on 127.0.0.1 for exactly this.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
 from streams.settings import Settings
+from streams.sink_service import SqlEndpoint
 from streams.worker import WorkerInfo
 
 
@@ -23,9 +24,13 @@ class QueryFailedError(Exception):
 def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list[str], list[list[Any]]]:
     """(column names, rows) of one read-only statement; ReadOnlyQueryError for anything else."""
     statement = check_read_only(query)
-    info = WorkerInfo.read(settings)
-    if info is not None and settings.embedded_clickhouse:
-        return _via_worker(info, statement, timeout)
+    endpoint = SqlEndpoint.read(settings)
+    if endpoint is not None and settings.embedded_clickhouse:
+        return _via_endpoint(endpoint, statement, timeout)
+    worker = WorkerInfo.read(settings)
+    if worker is not None and settings.embedded_clickhouse:
+        # Opening chDB here would take the data path from the worker's sink, which is about to open it.
+        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
@@ -39,9 +44,9 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
     return list(result.column_names), [list(row) for row in result.result_rows]
 
 
-def _via_worker(info: WorkerInfo, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
+def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{info.web_port}/sql",
+        f"http://127.0.0.1:{info.port}/sql",
         data=json.dumps({"sql": statement}).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -54,6 +59,6 @@ def _via_worker(info: WorkerInfo, statement: str, timeout: float) -> tuple[list[
         raise QueryFailedError(body.get("error", f"worker answered HTTP {exc.code}")) from None
     except (urllib.error.URLError, TimeoutError) as exc:
         raise QueryFailedError(
-            f"worker pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.web_port}: {exc}"
+            f"sink pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.port}: {exc}"
         ) from None
     return body["columns"], body["rows"]

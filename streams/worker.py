@@ -1,7 +1,8 @@
-"""`treadle worker`: one process running the Faust agents, the ClickHouse sink and the SQL endpoint.
+"""`treadle worker`: the Faust agents, plus (by default) `treadle sink` as a child process.
 
-With embedded chDB only one process may open the data path, so the worker that owns it also
-answers `treadle sql` over HTTP on 127.0.0.1 (see WorkerInfo for how the CLI finds it).
+The sink child owns ClickHouse (embedded chDB allows one process per data path) and answers
+`treadle sql` on 127.0.0.1; see streams/sink_service.py. TREADLE_SINK=off runs the processors only,
+for deployments that run `treadle sink` on its own.
 """
 
 from __future__ import annotations
@@ -10,19 +11,18 @@ import asyncio
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import faust
-import orjson
-from faust.web import Request, Response, View
 
 from processors.app import Pipeline, build_pipeline
-from sinks.clickhouse import ClickHouseStore
-from sinks.consumer import SinkConsumer
-from sinks.migrations import apply_migrations
-from sinks.sql_guard import ReadOnlyQueryError
+from streams.local.process import pid_alive
 from streams.settings import Settings
+from streams.sink_service import SqlEndpoint
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Written to <home>/worker/worker.json while a worker runs, so the CLI can route SQL to it."""
+    """Written to <home>/worker/worker.json once a worker (and its sink child) is ready."""
 
     pid: int
     web_port: int
@@ -55,13 +55,7 @@ class WorkerInfo:
             info = cls(**json.loads(cls.path(settings).read_text()))
         except (OSError, ValueError, TypeError):
             return None
-        try:
-            os.kill(info.pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return info
+        return info if pid_alive(info.pid) else None  # a zombie (killed, not yet reaped) is not running
 
 
 async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
@@ -72,22 +66,14 @@ async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = 
     await registry.register_set(SchemaSet.load())
 
 
-def build_worker(settings: Settings) -> tuple[Pipeline, ClickHouseStore]:
-    """The pipeline plus the sink and SQL endpoint, ready for faust.Worker."""
+def build_worker(settings: Settings) -> Pipeline:
+    """The pipeline, with the schema registry refreshed in the background, ready for faust.Worker."""
     registry = SchemaRegistry(settings.kafka_bootstrap_servers, TopicCatalog(settings)["schemas"].name)
     # Writer schemas we don't ship (newer producers, other languages) are found in the registry.
     pipeline = build_pipeline(settings, codec=AvroCodec(lookup=registry.lookup))
     asyncio.run(prepare_cluster(settings, registry))
-    store = ClickHouseStore.open(settings)
-    apply_migrations(store)
-    sink = SinkConsumer(settings, pipeline.catalog, pipeline.codec, pipeline.intake, store)
-    app = pipeline.app
 
-    @app.task
-    async def clickhouse_sink() -> None:
-        await sink.run()
-
-    @app.task
+    @pipeline.app.task
     async def refresh_schemas() -> None:
         while True:
             await asyncio.sleep(10)
@@ -96,47 +82,70 @@ def build_worker(settings: Settings) -> tuple[Pipeline, ClickHouseStore]:
             except Exception as exc:  # the registry is an optimisation for unknown writers, never fatal
                 log.warning("could not refresh the schema registry: %s", exc)
 
-    @app.page("/sql")
-    class SQLView(View):
-        async def post(self, request: Request) -> Response:
-            body = await request.json()
+    return pipeline
+
+
+class SinkChild:
+    """`treadle sink` as a child of the worker (TREADLE_SINK=child): its own process, its own core."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        SqlEndpoint.path(self.settings).unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streams.cli", "sink", "--parent", str(os.getpid())],
+            env={**os.environ, **self.settings.to_env()},
+        )
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the sink process exited with code {self.proc.returncode}")
+            info = SqlEndpoint.read(self.settings)
+            if info is not None and info.pid == self.proc.pid:
+                return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"the sink process did not serve SQL within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                result = await store.read_only_query(str(body.get("sql", "")))
-            except ReadOnlyQueryError as exc:
-                return self.json({"error": str(exc)}, status=400)
-            except Exception as exc:  # unknown table, syntax error...: the user's to fix
-                return self.json({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
-            return self.json({"columns": list(result.column_names), "rows": _jsonable(result.result_rows)})
-
-    return pipeline, store
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _jsonable(rows: list) -> list[list]:
-    """ClickHouse values as JSON: datetimes as ISO strings, bytes as text, tuples as lists."""
-    return orjson.loads(orjson.dumps([list(r) for r in rows], default=str, option=orjson.OPT_PASSTHROUGH_DATETIME))
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def run_worker(settings: Settings, loglevel: str = "info") -> None:
     """Run until SIGTERM/SIGINT; exits the process like any Faust worker."""
     settings.worker_dir.mkdir(parents=True, exist_ok=True)
-    pipeline, _store = build_worker(settings)
-    worker = TreadleWorker(pipeline.app, settings, loglevel=loglevel, quiet=True)
-    worker.execute_from_commandline()
+    pipeline = build_worker(settings)
+    sink = SinkChild(settings) if settings.sink == "child" else None
+    worker = TreadleWorker(pipeline.app, settings, sink, loglevel=loglevel, quiet=True)
+    try:
+        if sink is not None:
+            sink.start()
+        worker.execute_from_commandline()
+    finally:
+        if sink is not None:
+            sink.stop()
 
 
 class TreadleWorker(faust.Worker):
     """A Faust worker that announces itself (WorkerInfo) once recovery is done and the web server is up."""
 
-    def __init__(self, app: faust.App, settings: Settings, **kwargs: object) -> None:
+    def __init__(self, app: faust.App, settings: Settings, sink: SinkChild | None, **kwargs: object) -> None:
         super().__init__(app, **kwargs)
         self.treadle_settings = settings
+        self.sink = sink
 
     async def on_startup_finished(self) -> None:
         await super().on_startup_finished()
+        if self.sink is not None:
+            await self.sink.wait_ready()
         s = self.treadle_settings
         WorkerInfo(pid=os.getpid(), web_port=s.web_port, embedded_clickhouse=s.embedded_clickhouse).write(s)

@@ -58,6 +58,7 @@ def deployment(stack: Settings, tmp_path: Path) -> Settings:
             "topic_prefix": name,
             "app_id": name,
             "web_port": 47000 + (os.getpid() % 500) * 2 + n % 2,
+            "sql_port": 48000 + (os.getpid() % 500) * 2 + n % 2,
             "sink_flush_seconds": 0.2,
         }
     )

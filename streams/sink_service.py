@@ -1,0 +1,135 @@
+"""`treadle sink`: the ClickHouse sink and the read-only SQL endpoint, in a process of their own.
+
+The sink decodes every topic again and inserts rows; in the Faust worker's process that took about
+half of its one core, so the worker starts this as a child process by default (TREADLE_SINK=child)
+and each gets a core. With embedded chDB this process owns the data path (one process per path),
+so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT; SqlEndpoint says where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from processors.intake import Intake
+from processors.validation import InputValidator
+from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
+from sinks.consumer import SinkConsumer
+from sinks.migrations import apply_migrations
+from sinks.sql_guard import ReadOnlyQueryError
+from streams.local.process import pid_alive
+from streams.settings import Settings
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.registry import SchemaRegistry
+from topics.tool_schemas import ToolSchemas
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SqlEndpoint:
+    """Written to <home>/worker/sql.json by the process that owns ClickHouse while it serves SQL."""
+
+    pid: int
+    port: int
+
+    @staticmethod
+    def path(settings: Settings) -> Path:
+        return settings.worker_dir / "sql.json"
+
+    def write(self, settings: Settings) -> None:
+        path = self.path(settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, settings: Settings) -> SqlEndpoint | None:
+        try:
+            info = cls(**json.loads(cls.path(settings).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+        return info if pid_alive(info.pid) else None
+
+
+def open_store(settings: Settings, wait_s: float = 30.0) -> ClickHouseStore:
+    """Open ClickHouse; a just-killed predecessor may hold embedded chDB for a moment, so retry."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ClickHouseStore.open(settings)
+        except ClickHouseUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def sql_app(store: ClickHouseStore) -> web.Application:
+    async def post_sql(request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            result = await store.read_only_query(str(body.get("sql", "")))
+        except ReadOnlyQueryError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:  # unknown table, syntax error...: the user's to fix
+            return web.json_response({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
+        rows = orjson.dumps([list(r) for r in result.result_rows], default=str)
+        columns = orjson.dumps(list(result.column_names))
+        return web.Response(body=b'{"columns":' + columns + b',"rows":' + rows + b"}", content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/sql", post_sql)
+    return app
+
+
+async def serve(settings: Settings, parent_pid: int | None = None) -> None:
+    """Run the sink and the SQL endpoint until cancelled, or until the parent worker is gone."""
+    catalog = TopicCatalog(settings)
+    registry = SchemaRegistry(settings.kafka_bootstrap_servers, catalog["schemas"].name)
+    await registry.load()
+    codec = AvroCodec(lookup=registry.lookup)
+    intake = Intake(codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)))
+    store = await asyncio.to_thread(open_store, settings)
+    await asyncio.to_thread(apply_migrations, store)
+    runner = web.AppRunner(sql_app(store), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", settings.sql_port).start()
+    SqlEndpoint(pid=os.getpid(), port=settings.sql_port).write(settings)
+    log.info("SQL endpoint on 127.0.0.1:%d; sinking to %s", settings.sql_port, store.database)
+    sink = asyncio.create_task(SinkConsumer(settings, catalog, codec, intake, store).run())
+    try:
+        while not sink.done():
+            if parent_pid is not None and not pid_alive(parent_pid):
+                log.warning("worker %d is gone; the sink stops too", parent_pid)
+                break
+            await asyncio.sleep(0.5)
+        if sink.done():
+            sink.result()  # re-raise a crash
+    finally:
+        sink.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sink
+        await runner.cleanup()
+        await store.aclose()
+
+
+def run_sink(settings: Settings, parent_pid: int | None = None) -> None:
+    settings.worker_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings, parent_pid))
