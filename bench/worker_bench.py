@@ -76,9 +76,20 @@ class BenchWorker:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
             info = WorkerInfo.read(self.settings)
             if info is not None and info.pid == self.proc.pid:
+                self._move_sink_off_the_worker_core()
                 return time.perf_counter() - started
             time.sleep(0.1)
         raise RuntimeError(f"worker not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _move_sink_off_the_worker_core(self) -> None:
+        """The sink child inherits the worker's pin; in production it has a core of its own, so here too."""
+        from streams.sink_service import SqlEndpoint
+
+        endpoint = SqlEndpoint.read(self.settings)
+        if self.pin and endpoint is not None and hasattr(os, "sched_setaffinity"):
+            others = set(range(os.cpu_count() or 1)) - {WORKER_CORE}
+            if others:
+                os.sched_setaffinity(endpoint.pid, others)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import faust
@@ -51,20 +51,23 @@ class Pipeline:
     intake: Intake
     processors: list[EventProcessor]
     outputs: dict[str, str]
-    _sends: list[Any] = field(default_factory=list)
+    _crash: asyncio.Future[Any] | None = None
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        # Straight to Faust's producer (no channel machinery); Faust flushes it before committing offsets,
-        # and the batch awaits every ack (flush_sends) so a failed send fails the batch, which is redelivered.
         await self.send(self.outputs[schema_name], key, self.codec.encode(schema_name, record))
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
-        self._sends.append(await self.app.producer.send(topic, key, value, partition, None, None))
+        # Straight to Faust's producer (no channel machinery). Faust flushes the producer before it
+        # commits input offsets, so an output is on the broker before its inputs count as done; a send
+        # that still fails (after the producer's retries) crashes the worker rather than losing it.
+        future = await self.app.producer.send(topic, key, value, partition, None, None)
+        future.add_done_callback(self._on_sent)
 
-    async def flush_sends(self) -> None:
-        sends, self._sends = self._sends, []
-        if sends:
-            await asyncio.gather(*sends)
+    def _on_sent(self, future: asyncio.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is None:
+            return
+        log.critical("an output could not be produced, stopping so its input is redelivered: %r", future.exception())
+        self._crash = asyncio.ensure_future(self.app.crash(future.exception()))
 
     def bind(self, event: InputEvent) -> None:
         # Faust tables choose the RocksDB and changelog partition from current_event(), a context
@@ -161,4 +164,3 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
         mine = [e for e in valid if e.schema_name in processor.inputs]
         if mine:
             await processor.process(mine, pipeline)
-    await pipeline.flush_sends()
