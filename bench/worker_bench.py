@@ -67,7 +67,7 @@ class BenchWorker:
         return self.proc.pid
 
     def wait_ready(self, timeout: float) -> float:
-        from streams.worker import WorkerInfo
+        from streams.run_info import WorkerInfo
 
         started = time.perf_counter()
         while time.perf_counter() - started < timeout:
@@ -83,7 +83,7 @@ class BenchWorker:
 
     def _move_sink_off_the_worker_core(self) -> None:
         """The sink child inherits the worker's pin; in production it has a core of its own, so here too."""
-        from streams.sink_service import SqlEndpoint
+        from streams.run_info import SqlEndpoint
 
         endpoint = SqlEndpoint.read(self.settings)
         if self.pin and endpoint is not None and hasattr(os, "sched_setaffinity"):

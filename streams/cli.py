@@ -103,11 +103,11 @@ def down() -> None:
 def status() -> None:
     """Show the local stack and whether a worker is running."""
     from streams.local.stack import LocalStack
-    from streams.worker import WorkerInfo
+    from streams.run_info import WorkerInfo
 
     s = settings()
     _print_status(LocalStack(s).status())
-    from streams.sink_service import SqlEndpoint
+    from streams.run_info import SqlEndpoint
 
     info = WorkerInfo.read(s)
     where = f"running, pid {info.pid}, http://127.0.0.1:{info.web_port}" if info else "not running"

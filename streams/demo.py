@@ -26,10 +26,11 @@ from rich.table import Table
 from streams.local.process import StackError
 from streams.local.stack import LocalStack
 from streams.producer import create_producer
+from streams.run_info import WorkerInfo
 from streams.sdk import AgentStream, RewardEmitter, StepRef
 from streams.settings import REPO_ROOT, Settings
 from streams.sql_client import run_sql
-from streams.worker import WorkerInfo, prepare_cluster
+from streams.worker import prepare_cluster
 from topics.ids import uuid7
 from topics.tool_schemas import ToolSchemas
 

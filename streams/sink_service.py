@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -27,6 +24,7 @@ from sinks.consumer import SinkConsumer
 from sinks.migrations import apply_migrations
 from sinks.sql_guard import ReadOnlyQueryError
 from streams.local.process import pid_alive
+from streams.run_info import SqlEndpoint
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -34,33 +32,6 @@ from topics.registry import SchemaRegistry
 from topics.tool_schemas import ToolSchemas
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SqlEndpoint:
-    """Written to <home>/worker/sql.json by the process that owns ClickHouse while it serves SQL."""
-
-    pid: int
-    port: int
-
-    @staticmethod
-    def path(settings: Settings) -> Path:
-        return settings.worker_dir / "sql.json"
-
-    def write(self, settings: Settings) -> None:
-        path = self.path(settings)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(path)
-
-    @classmethod
-    def read(cls, settings: Settings) -> SqlEndpoint | None:
-        try:
-            info = cls(**json.loads(cls.path(settings).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-        return info if pid_alive(info.pid) else None
 
 
 def open_store(settings: Settings, wait_s: float = 30.0) -> ClickHouseStore:

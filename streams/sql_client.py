@@ -12,9 +12,8 @@ import urllib.request
 from typing import Any
 
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
+from streams.run_info import SqlEndpoint, WorkerInfo
 from streams.settings import Settings
-from streams.sink_service import SqlEndpoint
-from streams.worker import WorkerInfo
 
 
 class QueryFailedError(Exception):

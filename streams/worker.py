@@ -8,21 +8,17 @@ for deployments that run `treadle sink` on its own.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import faust
 
 from processors.app import Pipeline, build_pipeline
-from streams.local.process import pid_alive
+from streams.run_info import SqlEndpoint, WorkerInfo
 from streams.settings import Settings
-from streams.sink_service import SqlEndpoint
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -30,32 +26,6 @@ from topics.registry import SchemaRegistry
 from topics.schemas import SchemaSet
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Written to <home>/worker/worker.json once a worker (and its sink child) is ready."""
-
-    pid: int
-    web_port: int
-    embedded_clickhouse: bool
-
-    @staticmethod
-    def path(settings: Settings) -> Path:
-        return settings.worker_dir / "worker.json"
-
-    def write(self, settings: Settings) -> None:
-        path = self.path(settings)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self)))
-
-    @classmethod
-    def read(cls, settings: Settings) -> WorkerInfo | None:
-        try:
-            info = cls(**json.loads(cls.path(settings).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
-        return info if pid_alive(info.pid) else None  # a zombie (killed, not yet reaped) is not running
 
 
 async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:

@@ -89,7 +89,7 @@ class WorkerProcess:
         return self
 
     def wait_ready(self, timeout: float = 90.0) -> None:
-        from streams.worker import WorkerInfo
+        from streams.run_info import WorkerInfo
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
