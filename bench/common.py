@@ -15,9 +15,9 @@ from pathlib import Path
 
 from streams.settings import REPO_ROOT, Settings
 
-BENCH_KAFKA_PORT = 59092
-BENCH_CONTROLLER_PORT = 59093
-BENCH_VALKEY_PORT = 56379
+BENCH_KAFKA_PORT = 29492  # below the ephemeral port range (no self-connect TIME_WAIT)
+BENCH_CONTROLLER_PORT = 29493
+BENCH_VALKEY_PORT = 29479
 BENCH_WEB_PORT = 56066
 WORKER_CORE = 1
 

@@ -23,7 +23,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
 from streams.producer import producer_config
-from streams.settings import REPO_ROOT, Settings
+from streams.run_info import SqlEndpoint
+from streams.settings import Settings
+from streams.worker_process import WorkerProcess
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 
@@ -37,75 +39,25 @@ VISIBLE_SQL = (
 )
 
 
-class BenchWorker:
-    """`treadle worker` in its own process group, optionally pinned to one core."""
+class BenchWorker(WorkerProcess):
+    """`treadle worker` pinned to WORKER_CORE (when `pin`), its sink child moved to the other cores."""
 
     def __init__(self, settings: Settings, pin: bool, argv: list[str] | None = None) -> None:
-        self.settings = settings
+        super().__init__(settings, settings.home / "worker.log", argv_prefix=pinned([], pin), command=argv or None)
         self.pin = pin
-        self.argv = argv or [sys.executable, "-m", "streams.cli", "worker", "--loglevel", "info"]
-        self.log_path = settings.home / "worker.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> BenchWorker:
-        self.settings.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.settings.to_env()}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                pinned(self.argv, self.pin),
-                cwd=REPO_ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float) -> float:
-        from streams.run_info import WorkerInfo
-
-        started = time.perf_counter()
-        while time.perf_counter() - started < timeout:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
-            info = WorkerInfo.read(self.settings)
-            if info is not None and info.pid == self.proc.pid:
-                self._move_sink_off_the_worker_core()
-                return time.perf_counter() - started
-            time.sleep(0.1)
-        raise RuntimeError(f"worker not ready after {timeout:.0f}s:\n{self.log_tail()}")
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        took = super().wait_ready(timeout)
+        self._move_sink_off_the_worker_core()
+        return took
 
     def _move_sink_off_the_worker_core(self) -> None:
         """The sink child inherits the worker's pin; in production it has a core of its own, so here too."""
-        from streams.run_info import SqlEndpoint
-
         endpoint = SqlEndpoint.read(self.settings)
         if self.pin and endpoint is not None and hasattr(os, "sched_setaffinity"):
             others = set(range(os.cpu_count() or 1)) - {WORKER_CORE}
             if others:
                 os.sched_setaffinity(endpoint.pid, others)
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "<no log>"
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
 
 
 @dataclass

@@ -32,7 +32,6 @@ OUTPUT_TOPICS = {
     "treadle.derived.Transition": "transitions",
     "treadle.derived.WovenReward": "woven_rewards",
     DEAD_LETTER: "dead_letters",
-    "treadle.derived.StateVersion": "state_versions",
 }
 
 
@@ -89,9 +88,7 @@ def _where(source: SourceMessage) -> tuple[str, int, int]:
 
 def default_processors(names: tuple[str, ...] = ("steps",)) -> list[EventProcessor]:
     """The built-in processors named in TREADLE_PROCESSORS, in that order."""
-    from processors.state_processor import StateProcessor
-
-    known: dict[str, type] = {"steps": StepProcessor, "state": StateProcessor}
+    known: dict[str, type] = {"steps": StepProcessor}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown processor(s) {unknown} in TREADLE_PROCESSORS; known: {sorted(known)}")
@@ -162,5 +159,12 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
         await pipeline.publish(DEAD_LETTER, read.dead_letter, key=source.key)
     for processor in pipeline.processors:
         mine = [e for e in valid if e.schema_name in processor.inputs]
-        if mine:
+        if not mine:
+            continue
+        try:
             await processor.process(mine, pipeline)
+        except Exception as exc:
+            # Faust's take_events acks a batch even when its body raises, so a crash here would lose
+            # the batch; dead-letter it (with the raw bytes, replayable) and keep the partition moving.
+            for event in mine:
+                await pipeline.failed(processor.name, event, exc)

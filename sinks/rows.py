@@ -52,19 +52,6 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
         "dead_letter_id", "stage", "reason", "topic", "partition", "offset", "key", "value", "event_id",
         "session_id", "schema_name", "failed_at",
     ),
-    "state_versions": (
-        "session_id", "ordinal", "version_id", "parent_id", "kind", "event_id", "seq", "logical_event_id",
-        "episode_id", "tool", "step", "event_time", "rollback_to", "late", "node_count", "edge_count",
-        "node_changes", "edge_changes",
-    ),
-    "state_nodes": (
-        "session_id", "from_ordinal", "node_id", "to_ordinal", "type", "data_json", "valid_from", "valid_to",
-        "expires_at", "caused_by_tool", "close_op", "closed",
-    ),
-    "state_edges": (
-        "session_id", "from_ordinal", "src", "dst", "type", "to_ordinal", "data_json", "valid_from", "valid_to",
-        "close_op", "closed",
-    ),
 }  # fmt: skip
 
 Row = dict[str, Any]
@@ -232,83 +219,6 @@ def _dead_letter(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
     return [("dead_letters", row)]
 
 
-OPEN_ORDINAL = 2**64 - 1  # to_ordinal of an interval still open
-OPEN_TIME = 10_413_791_999_000_000  # 2299-12-31T23:59:59Z in micros: valid_to of an open interval
-
-
-def _state_version(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
-    """A StateVersion: its row, plus a closed row per interval it ended and an open row per interval it began."""
-    session, ordinal, at = record["session_id"], record["ordinal"], micros(record["event_time"])
-    rows: list[tuple[str, Row]] = [
-        (
-            "state_versions",
-            {
-                "session_id": session,
-                "ordinal": ordinal,
-                "version_id": record["version_id"],
-                "parent_id": record["parent_id"],
-                "kind": record["kind"],
-                "event_id": record["event_id"],
-                "seq": record["seq"],
-                "logical_event_id": record["logical_event_id"],
-                "episode_id": record["episode_id"],
-                "tool": record.get("tool") or "",
-                "step": record.get("step"),
-                "event_time": at,
-                "rollback_to": record.get("rollback_to"),
-                "late": int(bool(record.get("late"))),
-                "node_count": record["node_count"],
-                "edge_count": record["edge_count"],
-                "node_changes": len(record["node_changes"]),
-                "edge_changes": len(record["edge_changes"]),
-            },
-        )
-    ]
-    for change in record["node_changes"]:
-        for interval, closed in ((change["prev"], True), (change["next"], False)):
-            if interval is None:
-                continue
-            expires = _optional_micros(interval.get("expires_at"))
-            if closed:  # a TTL'd node ended at its expiry even if the version that noticed came later
-                end = min(at, expires) if expires is not None else at
-            else:
-                end = expires if expires is not None else OPEN_TIME
-            row = {
-                "session_id": session,
-                "from_ordinal": interval["from_ordinal"],
-                "node_id": change["node_id"],
-                "to_ordinal": ordinal if closed else OPEN_ORDINAL,
-                "type": interval["type"],
-                "data_json": interval["data_json"],
-                "valid_from": micros(interval["valid_from"]),
-                "valid_to": end,
-                "expires_at": expires,
-                "caused_by_tool": interval.get("caused_by_tool", ""),
-                "close_op": change["op"] if closed else "",
-                "closed": int(closed),
-            }
-            rows.append(("state_nodes", row))
-    for change in record["edge_changes"]:
-        for interval, closed in ((change["prev"], True), (change["next"], False)):
-            if interval is None:
-                continue
-            row = {
-                "session_id": session,
-                "from_ordinal": interval["from_ordinal"],
-                "src": change["src"],
-                "dst": change["dst"],
-                "type": change["type"],
-                "to_ordinal": ordinal if closed else OPEN_ORDINAL,
-                "data_json": interval["data_json"],
-                "valid_from": micros(interval["valid_from"]),
-                "valid_to": at if closed else OPEN_TIME,
-                "close_op": change["op"] if closed else "",
-                "closed": int(closed),
-            }
-            rows.append(("state_edges", row))
-    return rows
-
-
 _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     "actions": _input_event,
     "tool_results": _input_event,
@@ -318,5 +228,4 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "transitions": _transition,
     "woven_rewards": _woven_reward,
     "dead_letters": _dead_letter,
-    "state_versions": _state_version,
 }

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,9 +25,10 @@ from streams.local.stack import LocalStack
 from streams.producer import create_producer
 from streams.run_info import WorkerInfo
 from streams.sdk import AgentStream, RewardEmitter, StepRef
-from streams.settings import REPO_ROOT, Settings
+from streams.settings import Settings
 from streams.sql_client import run_sql
 from streams.worker import prepare_cluster
+from streams.worker_process import WorkerProcess
 from topics.ids import uuid7
 from topics.tool_schemas import ToolSchemas
 
@@ -200,37 +198,18 @@ class DemoWorker:
 
     def __init__(self, settings: Settings, tool_schemas: Path) -> None:
         self.settings = settings
+        self.worker: WorkerProcess | None = None
         self.tool_schemas = tool_schemas
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = settings.logs_dir / "worker.log"
 
     def __enter__(self) -> DemoWorker:
-        if WorkerInfo.read(self.settings) is not None:
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.settings.to_env(), "TREADLE_TOOL_SCHEMAS": str(self.tool_schemas)}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "streams.cli", "worker"], cwd=REPO_ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise StackError(f"the worker exited with code {self.proc.returncode}; see {self.log_path}")
-            info = WorkerInfo.read(self.settings)
-            if info is not None and info.pid == self.proc.pid:
-                return self
-            time.sleep(0.3)
-        raise StackError(f"the worker did not become ready in 120 s; see {self.log_path}")
+        if WorkerInfo.read(self.settings) is None:
+            self.worker = WorkerProcess(self.settings, env={"TREADLE_TOOL_SCHEMAS": str(self.tool_schemas)})
+            self.worker.start().wait_ready()
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.worker is not None:
+            self.worker.stop()
 
 
 def _wait_for_pipeline(settings: Settings, run_id: str, counts: DemoCounts, timeout: float, console: Console) -> None:

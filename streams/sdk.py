@@ -48,7 +48,6 @@ from aiokafka.partitioner import murmur2
 
 from streams.producer import create_producer
 from streams.settings import Settings
-from streams.state_model import StateGraph
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import now_micros, uuid7
@@ -893,26 +892,6 @@ class AgentStream(_Emitter):
         self._next_seq()
         await self._send(LIFECYCLE, record, encoded)
         return event_id
-
-    async def state(self) -> StateGraph | None:
-        """The session's latest state graph from Redis, expired nodes removed; None before its first version.
-
-        The state processor writes Redis after applying each version, so this is O(1) and a little behind
-        the events just emitted (they wait for their seq's turn, see processors/state_graph.py).
-        """
-        from streams.state_cache import StateCache, connect
-
-        client = connect(self.settings)
-        try:
-            return await StateCache(client, self.settings.topic_prefix).read(self.session_id)
-        finally:
-            await client.aclose()
-
-    async def state_at(self, version_or_time: str | int | datetime) -> StateGraph:
-        """The session's graph at a version id, ordinal or time, from the ClickHouse history tables."""
-        from streams.state_history import state_at
-
-        return await asyncio.to_thread(state_at, self.settings, self.session_id, version_or_time)
 
 
 class _AsyncToolCallContext:

@@ -71,8 +71,7 @@ class Settings(BaseModel):
     )
     processors: tuple[str, ...] = Field(
         default=("steps",),
-        description="TREADLE_PROCESSORS: comma-separated built-in processors the worker runs: steps, state "
-        "(the state graph is opt-in until its table writes take the batched path).",
+        description="TREADLE_PROCESSORS: comma-separated built-in processors the worker runs (steps).",
     )
     process_batch_size: int = Field(
         default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
@@ -91,23 +90,6 @@ class Settings(BaseModel):
     sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
     sink_flush_seconds: float = Field(
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
-    )
-    state_auto_nodes: bool = Field(
-        default=True,
-        description="TREADLE_STATE_AUTO_NODES: dispatches and tool results add state-graph nodes and a causes edge.",
-    )
-    state_idle_flush_s: float = Field(
-        default=1.0,
-        description="TREADLE_STATE_IDLE_FLUSH_S: a session quiet this long has its state reorder buffer applied.",
-    )
-    state_max_buffer: int = Field(
-        default=10_000, description="TREADLE_STATE_MAX_BUFFER: most events a session's reorder buffer holds."
-    )
-    state_max_nodes: int = Field(
-        default=1_000_000, description="TREADLE_STATE_MAX_NODES: most live nodes per session; more is refused."
-    )
-    state_history: int = Field(
-        default=256, description="TREADLE_STATE_HISTORY: versions per session that rollback_to can reach."
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
     """Topics exist with the right partitions, and the shipped schemas are registered."""
     catalog = TopicCatalog(settings)
-    await ensure_topics(catalog, settings.kafka_bootstrap_servers)
+    states = await ensure_topics(catalog, settings.kafka_bootstrap_servers)
+    fresh = any(state.created for state in states if state.spec.kind == "schemas")
     registry = registry or SchemaRegistry(settings.kafka_bootstrap_servers, catalog["schemas"].name)
-    await registry.register_set(SchemaSet.load())
+    await registry.register_set(SchemaSet.load(), load=not fresh)
 
 
 def build_worker(settings: Settings) -> Pipeline:

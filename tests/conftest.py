@@ -9,16 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from streams.settings import REPO_ROOT, Settings
+from streams.worker_process import WorkerProcess
 
 _COUNTER = itertools.count()
 
@@ -31,18 +28,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     home = tmp_path_factory.mktemp("stack-home")
     base = Settings(
         home=home,
-        kafka_bootstrap_servers=os.environ.get("TREADLE_TEST_KAFKA", "127.0.0.1:49092"),
-        kafka_controller_port=49093,
-        valkey_port=46379,
+        # Below Linux's ephemeral range (32768-60999): a client retrying a stopped broker can otherwise
+        # self-connect from the broker's own port and leave a TIME_WAIT that blocks the next bind.
+        kafka_bootstrap_servers=os.environ.get("TREADLE_TEST_KAFKA", "127.0.0.1:31092"),
+        kafka_controller_port=31093,
+        valkey_port=31379,
         cache=REPO_ROOT / ".treadle" / "cache",
         partitions=3,
     )
     local = LocalStack(base)
-    local.up()
     try:
+        local.up()
         yield base
     finally:
-        local.down()
+        local.down()  # also when up() failed halfway: Valkey may be running already
 
 
 @pytest.fixture
@@ -57,70 +56,13 @@ def deployment(stack: Settings, tmp_path: Path) -> Settings:
             "home": tmp_path / "home",
             "topic_prefix": name,
             "app_id": name,
-            "web_port": 47000 + (os.getpid() % 500) * 2 + n % 2,
-            "sql_port": 48000 + (os.getpid() % 500) * 2 + n % 2,
+            "web_port": 30000 + (os.getpid() % 400) * 2 + n % 2,
+            "sql_port": 30800 + (os.getpid() % 400) * 2 + n % 2,
             "sink_flush_seconds": 0.2,
         }
     )
     asyncio.run(prepare_cluster(settings))
     return settings
-
-
-class WorkerProcess:
-    """`treadle worker` in a subprocess, so tests can kill -9 it like a crash would."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = settings.home / "worker.log"
-
-    def start(self) -> WorkerProcess:
-        self.settings.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.settings.to_env()}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "streams.cli", "worker", "--loglevel", "info"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        return self
-
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        from streams.run_info import WorkerInfo
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
-            info = WorkerInfo.read(self.settings)
-            if info is not None and info.pid == self.proc.pid:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"worker not ready after {timeout}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "<no log>"
-
-    def kill(self) -> None:
-        """SIGKILL: no flush, no commit, no goodbye."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
@@ -129,7 +71,7 @@ def worker_factory(deployment: Settings) -> Iterator[type[WorkerProcess]]:
 
     class _Factory(WorkerProcess):
         def __init__(self, settings: Settings = deployment) -> None:
-            super().__init__(settings)
+            super().__init__(settings, settings.home / "worker.log")
             started.append(self)
 
     yield _Factory

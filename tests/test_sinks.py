@@ -37,9 +37,6 @@ T0 = 1_760_000_000_000_000  # 2025-10-09, in microseconds
 MONTH = 31 * 24 * 3600 * 1_000_000
 VIEWS = ["raw_events_latest", "transitions_latest", "reward_components_latest", "woven_rewards_latest"]
 VIEWS += ["dead_letters_latest"]
-# The state graph's migrations (0010, 0011): tables and views.
-STATE_OBJECTS = {"state_versions", "state_nodes", "state_edges", "state_versions_latest", "state_nodes_latest"}
-STATE_OBJECTS |= {"state_edges_latest", "transitions_with_state"}
 _DATABASES = itertools.count()
 
 
@@ -224,7 +221,7 @@ def chdb_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings
 def store(chdb_settings: Settings) -> Iterator[ClickHouseStore]:
     """A store on a fresh database of the module's chDB path, with every migration applied."""
     with ClickHouseStore.open(chdb_settings, database=f"t{next(_DATABASES)}") as opened:
-        assert migrations.apply_migrations(opened) == [1, 2, 3, 4, 5, 10, 11]
+        assert migrations.apply_migrations(opened) == [1, 2, 3, 4, 5]
         yield opened
 
 
@@ -253,20 +250,20 @@ def test_migrations_apply_are_idempotent_roll_back_and_reapply(bare_store: Click
     all_versions = [m.version for m in migrations.load_migrations()]
     tables = {"raw_events", "transitions", "reward_components", "woven_rewards", "dead_letters"}
 
-    assert apply() == all_versions == [1, 2, 3, 4, 5, 10, 11]
-    assert tables_in(bare_store) == tables | set(VIEWS) | {"schema_migrations"} | STATE_OBJECTS
+    assert apply() == all_versions == [1, 2, 3, 4, 5]
+    assert tables_in(bare_store) == tables | set(VIEWS) | {"schema_migrations"}
     assert apply() == []
 
-    assert bare_store.call_sync(lambda c: migrations.rollback(c, 2, db)) == [11, 10, 5, 4, 3]
+    assert bare_store.call_sync(lambda c: migrations.rollback(c, 2, db)) == [5, 4, 3]
     assert tables_in(bare_store) == {"raw_events", "raw_events_latest", "transitions", "transitions_latest"} | {
         "schema_migrations"
     }
-    assert [m.version for m in bare_store.call_sync(lambda c: migrations.pending(c, db))] == [3, 4, 5, 10, 11]
+    assert [m.version for m in bare_store.call_sync(lambda c: migrations.pending(c, db))] == [3, 4, 5]
     assert bare_store.call_sync(lambda c: migrations.rollback(c, 0, db)) == [2, 1]
     assert tables_in(bare_store) == {"schema_migrations"}
 
     assert bare_store.call_sync(lambda c: migrations.apply_pending(c, db, target=3)) == [1, 2, 3]
-    assert apply() == [4, 5, 10, 11]
+    assert apply() == [4, 5]
     assert bare_store.call_sync(lambda c: migrations.applied_checksums(c, db)).keys() == set(all_versions)
 
 

@@ -34,7 +34,7 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="treadle-admin")
     await admin.start()
     try:
-        existing = await _partition_counts(admin, [s.name for s in catalog])
+        existing, _ = await _partition_counts(admin, [s.name for s in catalog])
         missing = [s for s in catalog if s.name not in existing]
         if missing:
             try:
@@ -63,19 +63,27 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
 async def _await_metadata(
     admin: AIOKafkaAdminClient, catalog: TopicCatalog, created: list[str], timeout: float = 15.0
 ) -> dict[str, int]:
-    """Partition counts once the new topics show up in metadata (right after creation they may not yet)."""
+    """Partition counts once every new partition has a leader.
+
+    Right after CreateTopics the metadata may not list the topics yet, and a client that reads a
+    partition before it has a leader logs NotLeaderForPartitionError at ERROR level.
+    """
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        counts = await _partition_counts(admin, [s.name for s in catalog])
-        if all(counts.get(name, 0) > 0 for name in created) or asyncio.get_running_loop().time() > deadline:
+        counts, led = await _partition_counts(admin, [s.name for s in catalog])
+        ready = all(counts.get(name, 0) > 0 and led.get(name) == counts[name] for name in created)
+        if ready or asyncio.get_running_loop().time() > deadline:
             return counts
         await asyncio.sleep(0.2)
 
 
-async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """(partitions per topic, partitions with a leader per topic) for the topics that exist."""
     present = set(await admin.list_topics())
     wanted = [n for n in names if n in present]
     if not wanted:
-        return {}
-    described = await admin.describe_topics(wanted)
-    return {d["topic"]: len(d["partitions"]) for d in described if d["error_code"] == 0}
+        return {}, {}
+    described = [d for d in await admin.describe_topics(wanted) if d["error_code"] == 0]
+    counts = {d["topic"]: len(d["partitions"]) for d in described}
+    led = {d["topic"]: sum(1 for p in d["partitions"] if p["leader"] >= 0) for d in described}
+    return counts, led

@@ -51,7 +51,6 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
     ("transitions", "treadle.derived.Transition", TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
     ("woven_rewards", "treadle.derived.WovenReward", TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
     ("dead_letters", "treadle.derived.DeadLetter", TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),
-    ("state_versions", "treadle.derived.StateVersion", TopicRole.OUTPUT, _DELETE, "State-graph versions and changes."),
     (
         "schemas",
         None,

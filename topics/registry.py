@@ -121,7 +121,7 @@ class SchemaRegistry:
                 batches = await consumer.getmany(timeout_ms=1000)
                 for tp, messages in batches.items():
                     for message in messages:
-                        # JSON Schemas of node types share the topic (topics/node_types.py); they are not Avro.
+                        # Other key spaces (e.g. JSON Schemas under jsonschema:) may share the topic; they are not Avro.
                         if message.value is not None and not (message.key or b"").startswith(JSON_SCHEMA_KEY_PREFIX):
                             self.versions.add(RegisteredSchema.from_bytes(message.value))
                         if message.offset + 1 >= end[tp]:
@@ -139,9 +139,14 @@ class SchemaRegistry:
             await admin.close()
         return sorted(p["partition"] for d in described if d["error_code"] == 0 for p in d["partitions"])
 
-    async def register(self, schemas: list[AvroSchema]) -> list[RegisteredSchema]:
-        """Register each schema not yet known; all are checked before any is published."""
-        await self.load()
+    async def register(self, schemas: list[AvroSchema], load: bool = True) -> list[RegisteredSchema]:
+        """Register each schema not yet known; all are checked before any is published.
+
+        `load=False` skips reading the topic first: only for a topic just created (so empty), whose
+        partition may not serve reads yet (aiokafka would log NotLeaderForPartitionError at ERROR).
+        """
+        if load:
+            await self.load()
         pending: list[RegisteredSchema] = []
         for schema in schemas:
             record = self.versions.next_version(schema)
@@ -160,5 +165,5 @@ class SchemaRegistry:
                 await producer.stop()
         return pending
 
-    async def register_set(self, schema_set: SchemaSet) -> list[RegisteredSchema]:
-        return await self.register(list(schema_set))
+    async def register_set(self, schema_set: SchemaSet, load: bool = True) -> list[RegisteredSchema]:
+        return await self.register(list(schema_set), load=load)

@@ -1,1 +1,0 @@
-DROP VIEW IF EXISTS {database}.transitions_with_state;
