@@ -34,7 +34,7 @@ from streams.sdk import (
     ToolStatus,
 )
 from streams.settings import REPO_ROOT, Settings
-from topics.admin import TopicMismatchError, ensure_topics
+from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.tool_schemas import ToolSchemas
@@ -97,15 +97,7 @@ def make_settings(bootstrap: str, tmp: Path) -> Settings:
 
 
 async def create_topics(s: Settings) -> None:
-    """ensure_topics, retried: right after CreateTopics the broker's metadata may not list the new topics yet."""
-    for attempt in range(20):
-        try:
-            await ensure_topics(TopicCatalog(s), s.kafka_bootstrap_servers)
-            return
-        except TopicMismatchError:
-            if attempt == 19:
-                raise
-            await asyncio.sleep(0.5)
+    await ensure_topics(TopicCatalog(s), s.kafka_bootstrap_servers)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,6 @@ from topics.schemas import AvroSchema, SchemaSet
 
 log = logging.getLogger(__name__)
 
-JSON_SCHEMA_KEY_PREFIX = b"jsonschema:"
-
 
 class IncompatibleSchemaError(Exception):
     """A schema change that would break readers or writers; `reasons` lists each violation."""
@@ -121,8 +119,7 @@ class SchemaRegistry:
                 batches = await consumer.getmany(timeout_ms=1000)
                 for tp, messages in batches.items():
                     for message in messages:
-                        # Other key spaces (e.g. JSON Schemas under jsonschema:) may share the topic; they are not Avro.
-                        if message.value is not None and not (message.key or b"").startswith(JSON_SCHEMA_KEY_PREFIX):
+                        if message.value is not None:
                             self.versions.add(RegisteredSchema.from_bytes(message.value))
                         if message.offset + 1 >= end[tp]:
                             remaining.discard(tp)
