@@ -103,7 +103,14 @@ class RawProducer:
         await self.producer.flush()
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+def wait_for(
+    check: Callable[[], Any],
+    timeout: float,
+    what: str,
+    interval: float = 0.5,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """Poll `check` until truthy; on timeout, `explain` says what was still wrong."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -111,4 +118,5 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+    detail = explain() if explain is not None else f"last value: {last!r}"
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; {detail}")

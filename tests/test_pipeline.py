@@ -121,6 +121,19 @@ def complete(settings: Settings, expected: list[ExpectedStep]):
     return check
 
 
+def revision_diff(settings: Settings, expected: list[ExpectedStep], *workers) -> str:
+    """Which steps are missing or at the wrong revision, with the events each should have folded."""
+    got = {k: v["revision"] for k, v in latest_rows(settings).items()}
+    lines = []
+    for step in expected:
+        key = (step.session, step.step)
+        if got.get(key) != step.revision:
+            ids = sorted({(name.rsplit(".", 1)[-1], r["envelope"]["event_id"]) for name, r in step.events})
+            lines.append(f"{key} lid={step.lid}: got revision {got.get(key)}, want {step.revision} from {ids}")
+    logs = "\n".join(f"--- {w.log_path}\n{w.log_tail(40)}" for w in workers)
+    return f"{len(lines)} steps wrong:\n" + "\n".join(lines) + "\n" + logs
+
+
 def test_out_of_order_events_become_exact_transitions(deployment: Settings, worker_factory) -> None:
     rng = random.Random(11)
     expected = make_workload(rng, sessions=8, steps=6)
@@ -154,7 +167,12 @@ def test_kill_minus_nine_mid_stream_loses_and_duplicates_nothing(deployment: Set
 
     restarted = worker_factory().start()
     restarted.wait_ready()
-    rows = wait_for(complete(deployment, expected), 120, "all transitions after restart")
+    rows = wait_for(
+        complete(deployment, expected),
+        120,
+        "all transitions after restart",
+        explain=lambda: revision_diff(deployment, expected, restarted),
+    )
     assert_matches(rows, expected)
     _, counts = run_sql(
         deployment,
