@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 
-.PHONY: install demo test lint bench up down clean
+.PHONY: install demo test test-gpu lint bench up down clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ demo: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+# On a machine with an NVIDIA GPU: the GPU telemetry path (skipped elsewhere), then the whole suite.
+test-gpu: install
+	$(BIN)/pytest -q -rs tests/test_gpu.py
 	$(BIN)/pytest -q
 
 lint: install

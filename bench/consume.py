@@ -25,7 +25,7 @@ from topics.tool_schemas import ToolSchemas
 SECTION = "2. worker"
 COMMAND = "AIOKafkaConsumer.getmany over the 5 input topics + AvroCodec.decode(value, expect=topic schema)"
 FOLD_COMMAND = (
-    "in memory, no Kafka: Intake.read + StepState from/to bytes in a dict + StepAssembler.apply + encode outputs"
+    "in memory, no Kafka: Intake.read + StepState from/to bytes in a dict + StepAssembler.fold/outputs + encode outputs"
 )
 
 
@@ -85,10 +85,9 @@ def fold(settings: Settings, messages: list[SourceMessage]) -> Measurement:
         key = read.record["envelope"]["logical_event_id"].encode()
         stored = table.get(key)
         state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
-        output = assembler.apply(state, read.schema_name, read.record)
-        if output.changed:
+        if assembler.fold(state, read.schema_name, read.record):
             table[key] = state.to_bytes()
-        for schema_name, derived in output.records:
+        for schema_name, derived in assembler.outputs(state):
             codec.encode(schema_name, derived)
             outputs += 1
     elapsed = time.perf_counter() - started

@@ -10,6 +10,8 @@ import asyncio
 import time
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import murmur2
+from aiokafka.producer.message_accumulator import BatchBuilder
 
 from bench.common import Measurement, median_run
 from bench.workload import encoded_events, make_steps
@@ -25,6 +27,10 @@ SDK_COMMAND = (
     "AgentStream.dispatch + tool_call (ctx) + reward per step, {sessions} streams on one shared producer; then flush()"
 )
 RAW_COMMAND = "AIOKafkaProducer.send(topic, pre-encoded bytes, key=session); then flush()"
+RAW_BATCH_COMMAND = (
+    "create_batch() + BatchBuilder.append(pre-encoded bytes, key=session) per partition (murmur2), "
+    "send_batch() when full and at the end; then flush()"
+)
 OUTPUT = "result text 123456 " * 4  # about the size of the workload's tool outputs
 
 
@@ -67,6 +73,31 @@ async def _raw_once(settings: Settings, events: list[tuple[str, bytes, bytes]]) 
         started = time.perf_counter()
         for topic, key, value in events:
             await producer.send(topic, value, key=key)
+        await producer.flush()
+        return time.perf_counter() - started
+    finally:
+        await producer.stop()
+
+
+async def _raw_batch_once(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> float:
+    """aiokafka's lower-level batch API with the same events: the floor for any producer written in Python."""
+    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-raw-batch"))
+    await producer.start()
+    try:
+        counts = {topic: len(await producer.partitions_for(topic)) for topic in {topic for topic, _, _ in events}}
+        started = time.perf_counter()
+        open_batches: dict[tuple[str, int], BatchBuilder] = {}
+        for topic, key, value in events:
+            tp = (topic, (murmur2(key) & 0x7FFFFFFF) % counts[topic])
+            batch = open_batches.get(tp)
+            if batch is None:
+                batch = open_batches[tp] = producer.create_batch()
+            if batch.append(timestamp=None, key=key, value=value) is None:
+                await producer.send_batch(batch, tp[0], partition=tp[1])
+                batch = open_batches[tp] = producer.create_batch()
+                batch.append(timestamp=None, key=key, value=value)
+        for (topic, partition), batch in open_batches.items():
+            await producer.send_batch(batch, topic, partition=partition)
         await producer.flush()
         return time.perf_counter() - started
     finally:

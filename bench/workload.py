@@ -146,7 +146,8 @@ def final_transitions(steps: list[Step], codec: AvroCodec) -> list[dict]:
         state = StepState(step.logical_event_id)
         records: list = []
         for schema, record in step.events:
-            records = assembler.apply(state, schema, record).records
+            assembler.fold(state, schema, record)
+            records = assembler.outputs(state)
         transition = next(r for name, r in records if name == TRANSITION)
         out.append(codec.decode(codec.encode(TRANSITION, transition), expect=TRANSITION)[1])
     return out

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 from faust.streams import _current_event
 
 from processors.base import EventProcessor, InputEvent
+from processors.faust_transport import ResumingApp
 from processors.intake import Accepted, Intake, SourceMessage
-from processors.step_processor import StepProcessor
+from processors.plugins import ProcessorRegistry
 from processors.validation import InputValidator
+from streams.metrics import WorkerMetrics
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
@@ -32,11 +34,25 @@ OUTPUT_TOPICS = {
     "treadle.derived.Transition": "transitions",
     "treadle.derived.WovenReward": "woven_rewards",
     DEAD_LETTER: "dead_letters",
+    "treadle.derived.ResourceSample": "resource_samples",
+    "treadle.derived.LateReward": "late_rewards",
+    # Reward sources and credit assignment are processors whose output is input: a RewardSignal they
+    # publish goes to the rewards topic and is woven into its step like any other reward.
+    "treadle.events.RewardSignal": "rewards",
+    "treadle.derived.EvaluationMetric": "evaluation_metrics",
 }
 
 
 def faust_broker_url(bootstrap_servers: str) -> str:
     return ";".join(f"kafka://{host.strip()}" for host in bootstrap_servers.split(",") if host.strip())
+
+
+class _PartitionMarker:
+    """Stands in for "the current event" where Faust's RocksDB store only needs `.message.partition`."""
+
+    def __init__(self, partition: int) -> None:
+        self.message = self
+        self.partition = partition
 
 
 @dataclass
@@ -50,23 +66,34 @@ class Pipeline:
     intake: Intake
     processors: list[EventProcessor]
     outputs: dict[str, str]
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    # Next offset to process per input partition (the consumer-lag metric reads it).
+    next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
     _crash: asyncio.Future[Any] | None = None
+    _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        await self.send(self.outputs[schema_name], key, self.codec.encode(schema_name, record))
+        topic = self.outputs[schema_name]
+        await self.send(topic, key, self.codec.encode(schema_name, record))
+        self.metrics.events_out.labels(topic, schema_name).inc()
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
         # Straight to Faust's producer (no channel machinery). Faust flushes the producer before it
         # commits input offsets, so an output is on the broker before its inputs count as done; a send
         # that still fails (after the producer's retries) crashes the worker rather than losing it.
         future = await self.app.producer.send(topic, key, value, partition, None, None)
-        future.add_done_callback(self._on_sent)
+        future.add_done_callback(lambda sent: self._on_sent(topic, sent))
 
-    def _on_sent(self, future: asyncio.Future[Any]) -> None:
+    def _on_sent(self, topic: str, future: asyncio.Future[Any]) -> None:
         if future.cancelled() or future.exception() is None:
             return
+        self.metrics.producer_errors.labels(topic).inc()
         log.critical("an output could not be produced, stopping so its input is redelivered: %r", future.exception())
         self._crash = asyncio.ensure_future(self.app.crash(future.exception()))
+
+    def bind_partition(self, partition: int) -> None:
+        marker = self._partition_markers.setdefault(partition, _PartitionMarker(partition))
+        _current_event.set(weakref.ref(marker))
 
     def bind(self, event: InputEvent) -> None:
         # Faust tables choose the RocksDB and changelog partition from current_event(), a context
@@ -80,6 +107,7 @@ class Pipeline:
             DeadLetterStage.PROCESS, f"processor {processor} failed: {exc!r}", event.schema_name, event.record
         )
         await self.publish(DEAD_LETTER, failure, key=event.source.key)
+        self.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, event.schema_name).inc()
 
 
 def _where(source: SourceMessage) -> tuple[str, int, int]:
@@ -87,12 +115,9 @@ def _where(source: SourceMessage) -> tuple[str, int, int]:
 
 
 def default_processors(names: tuple[str, ...] = ("steps",)) -> list[EventProcessor]:
-    """The built-in processors named in TREADLE_PROCESSORS, in that order."""
-    known: dict[str, type] = {"steps": StepProcessor}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown processor(s) {unknown} in TREADLE_PROCESSORS; known: {sorted(known)}")
-    return [known[name]() for name in names]
+    """The processors named in TREADLE_PROCESSORS, in that order, found through the `treadle.processors`
+    entry points (processors/plugins.py); an unknown or broken one raises PluginError naming it."""
+    return ProcessorRegistry.discover().create(names)
 
 
 def build_pipeline(
@@ -101,13 +126,13 @@ def build_pipeline(
     catalog = TopicCatalog(settings)
     codec = codec or AvroCodec()
     tool_schemas = ToolSchemas.load(settings.tool_schemas)
-    app = faust.App(
+    app = ResumingApp(
         settings.app_id,
         broker=faust_broker_url(settings.kafka_bootstrap_servers),
         store="rocksdb://",
         datadir=str(settings.worker_dir),
-        web_host="127.0.0.1",
-        web_bind="127.0.0.1",
+        web_host=settings.bind_host,
+        web_bind=settings.bind_host,
         web_port=settings.web_port,
         topic_partitions=settings.partitions,
         topic_replication_factor=settings.replication_factor,
@@ -136,6 +161,10 @@ def build_pipeline(
         processors=processors,
         outputs=outputs,
     )
+    for processor in processors:
+        attach = getattr(processor, "attach", None)  # optional: processors with timers need the context
+        if attach is not None:
+            attach(pipeline)
     inputs = app.topic(*[spec.name for spec in catalog.inputs], key_serializer="raw", value_serializer="raw")
 
     @app.agent(inputs, name="intake")
@@ -149,14 +178,27 @@ def build_pipeline(
 async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
     """Decode and validate each event once, dead-letter the bad ones, hand the rest to the processors."""
     valid: list[InputEvent] = []
+    metrics = pipeline.metrics
     for event in events:
         source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
+        expected = pipeline.next_offsets.get((source.topic, source.partition))
+        if expected is not None and source.offset > expected:
+            # Input topics have no transactions or compaction, so offsets are contiguous: a jump means the
+            # consumer skipped records (or the partition came back after another worker processed them).
+            log.warning("input offsets %s[%d]@%d..%d were not processed here", source.topic, source.partition,
+                        expected, source.offset - 1)  # fmt: skip
+        pipeline.next_offsets[(source.topic, source.partition)] = source.offset + 1
         read = pipeline.intake.read(source)
         if isinstance(read, Accepted):
+            metrics.events_in.labels(source.topic, read.schema_name).inc()
             valid.append(InputEvent(read.schema_name, read.record, source, event))
             continue
-        log.warning("dead letter from %s[%d]@%d: %s", *_where(source), read.dead_letter["reason"])
-        await pipeline.publish(DEAD_LETTER, read.dead_letter, key=source.key)
+        letter = read.dead_letter
+        schema = letter.get("schema_name") or "unknown"
+        metrics.events_in.labels(source.topic, schema).inc()
+        metrics.dead_letters.labels(letter["stage"], schema).inc()
+        log.warning("dead letter from %s[%d]@%d: %s", *_where(source), letter["reason"])
+        await pipeline.publish(DEAD_LETTER, letter, key=source.key)
     for processor in pipeline.processors:
         mine = [e for e in valid if e.schema_name in processor.inputs]
         if not mine:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import faust
 
 from processors.intake import SourceMessage
+from streams.metrics import WorkerMetrics
 from streams.settings import Settings
 
 
@@ -35,6 +36,8 @@ class InputEvent:
 
 
 class ProcessingContext(Protocol):
+    metrics: WorkerMetrics  # the worker's Prometheus metrics, for processors that measure something
+
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         """Send a derived record to the topic its schema belongs to (acked before input offsets commit)."""
         ...
@@ -47,15 +50,24 @@ class ProcessingContext(Protocol):
         """Make `event` current, so Faust table reads/writes use its partition."""
         ...
 
+    def bind_partition(self, partition: int) -> None:
+        """Like `bind`, for work outside any input event (timers): table reads/writes use `partition`."""
+        ...
+
     async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
         """Send `event` to dead letters (stage PROCESS) because `processor` could not fold it."""
         ...
 
 
 class EventProcessor(Protocol):
-    """`name` is unique per app (it prefixes table names); `inputs` are the schema names it takes."""
+    """`name` is unique per app (it prefixes table names); `inputs` are the schema names it takes.
+
+    `kind` (core, reward_source or evaluator) says what it emits; plugins declare all three as class
+    attributes and are registered under `name` in the `treadle.processors` entry points (processors/plugins.py).
+    """
 
     name: str
+    kind: str
     inputs: frozenset[str]
 
     def setup(self, app: faust.App, settings: Settings) -> None:
@@ -65,3 +77,6 @@ class EventProcessor(Protocol):
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         """Fold a batch (in arrival order); an event that cannot be folded goes to ctx.failed."""
         ...
+
+    # Optional: `def attach(self, ctx: ProcessingContext) -> None`, called once after the pipeline is built,
+    # for processors that also act outside batches (a timer that closes windows when no input arrives).

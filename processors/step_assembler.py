@@ -1,13 +1,20 @@
-"""Step assembly: fold a step's dispatch, tool result and reward signals into a Transition.
+"""Step assembly and reward weaving: a step's dispatch, tool results and rewards become its rows.
 
-The fold is a pure function of the *set* of events seen, never of their order:
-- a result or reward that arrives before its dispatch is kept in the step's state and used when the
-  dispatch arrives (arrival order across topics is not guaranteed);
-- duplicates (same event_id) change nothing; they re-emit the current rows so that output lost in a
-  crash between the state write and the send is produced again, byte for byte;
-- `revision` counts the distinct events folded in, so replay after a crash yields the same final
-  revision with the same values, and ReplacingMergeTree keeps exactly that row.
-Event-time windows and lateness (reward weaving) decide *when* to emit; they wrap this fold.
+What a step's rows say is a pure function of the *set* of events seen and the reward policy, never
+of their arrival order, so a replay after a crash ends in exactly the rows of an uninterrupted run:
+- a result or reward that arrives before its dispatch waits in the step's state;
+- duplicates (same event_id) change nothing; they re-emit the current rows, in case a crash lost
+  the first emission;
+- a reward is *late* when its event_time is after dispatch + window + grace of its source (event
+  time, see processors/reward_policy.py): it goes to late rewards, never into the step;
+- the first WovenReward comes once every required source has a reward in time, or once the
+  watermark has passed the window of every required source still missing (status `partial`, or
+  `imputed` where the spec imputes a value); every later reward in time is a new revision. Only
+  *when* that happens depends on the watermark, not what is finally emitted;
+- Transition.revision counts the distinct events in the step (dispatch, results, rewards in
+  time) plus the required windows the watermark has passed; WovenReward.revision counts its
+  rewards in time. Every change raises them, and the final rows (all events in, all windows
+  passed) have the highest revision, whatever the timing, so they win in ReplacingMergeTree.
 """
 
 from __future__ import annotations
@@ -17,23 +24,32 @@ from typing import Any
 
 import orjson
 
-from processors.fusion import ConfidenceWeightedMean, FusionPolicy
+from processors.fusion import Component, fuse
+from processors.reward_policy import Imputation, PolicyBook, RewardPolicy, RewardSpec
 
 DISPATCH = "treadle.events.ActionDispatched"
 RESULT = "treadle.events.ToolResult"
 REWARD = "treadle.events.RewardSignal"
 STEP_INPUTS = (DISPATCH, RESULT, REWARD)
+WOVEN = "treadle.derived.WovenReward"
+TRANSITION = "treadle.derived.Transition"
+LATE = "treadle.derived.LateReward"
 
 
 @dataclass
 class StepState:
-    """Everything known about one step (one logical_event_id) so far."""
+    """Everything known about one step (one logical_event_id) so far; stored in the step table."""
 
     logical_event_id: str
     dispatch: dict[str, Any] | None = None
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     rewards: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra_dispatches: list[str] = field(default_factory=list)
+    partition: int | None = None  # of the session, so timers can find the step again after a restart
+    reward_policy: str | None = None  # version, fixed when the dispatch is folded
+    passed: list[str] = field(default_factory=list)  # required spec keys whose window the watermark passed
+    imputed: dict[str, float] = field(default_factory=dict)  # spec key -> value, fixed when its window passed
+    orphans: list[str] = field(default_factory=list)  # rewards reported as orphans (no dispatch in time)
 
     @property
     def event_ids(self) -> set[str]:
@@ -43,8 +59,14 @@ class StepState:
         return ids
 
     @property
-    def revision(self) -> int:
-        return len(self.event_ids)
+    def session_key(self) -> bytes:
+        """The Kafka key of every row of the step: its session."""
+        any_event = self.dispatch or next(iter(self.rewards.values()), None) or next(iter(self.results.values()))
+        return any_event["envelope"]["session_id"].encode()
+
+    @property
+    def dispatched_us(self) -> int | None:
+        return None if self.dispatch is None else self.dispatch["envelope"]["event_time"]
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(
@@ -54,6 +76,11 @@ class StepState:
                 "t": self.results,
                 "r": self.rewards,
                 "x": self.extra_dispatches,
+                "p": self.partition,
+                "v": self.reward_policy,
+                "w": self.passed,
+                "i": self.imputed,
+                "o": self.orphans,
             }
         )
 
@@ -66,27 +93,37 @@ class StepState:
             results=doc["t"],
             rewards=doc["r"],
             extra_dispatches=doc["x"],
+            partition=doc.get("p"),
+            reward_policy=doc.get("v"),
+            passed=doc.get("w", []),
+            imputed=doc.get("i", {}),
+            orphans=doc.get("o", []),
         )
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    """Records to publish after an event was folded in: (schema name, record) pairs."""
+class Weave:
+    """How a step's rewards stand under its policy (derived, never stored)."""
 
-    records: list[tuple[str, dict[str, Any]]]
-    changed: bool
+    on_time: list[tuple[str, dict[str, Any], RewardSpec]]  # (event_id, reward, spec), by event_id
+    late: list[tuple[str, dict[str, Any], RewardSpec, int]]  # (event_id, reward, spec, lateness in us)
+    missing: list[RewardSpec]  # required specs without a reward in time
+    waiting: list[RewardSpec]  # missing specs whose window the watermark has not passed yet
+    next_window_us: int | None  # end of the next required window the watermark has not passed
 
 
 class StepAssembler:
-    """Applies one input event to a StepState and says which derived records to publish."""
+    """Folds input events into a StepState and derives the step's rows under its reward policy."""
 
-    def __init__(self, fusion: FusionPolicy | None = None) -> None:
-        self.fusion = fusion or ConfidenceWeightedMean()
+    def __init__(self, policies: PolicyBook | None = None) -> None:
+        self.policies = policies or PolicyBook()
+
+    # --- folding -------------------------------------------------------------------------------------------------
 
     def fold(self, state: StepState, schema_name: str, record: dict[str, Any]) -> bool:
-        """Add one event to the step; False when it was already folded in (a duplicate)."""
+        """Add one event to the step; False when it was already folded in (a duplicate) or is not the step's."""
         event_id = record["envelope"]["event_id"]
-        if event_id in state.event_ids:
+        if event_id in state.event_ids or is_episode_reward(schema_name, record):
             return False
         if schema_name == DISPATCH:
             self._add_dispatch(state, record)
@@ -98,86 +135,177 @@ class StepAssembler:
             raise ValueError(f"step assembler does not take {schema_name}")
         return True
 
-    def apply(self, state: StepState, schema_name: str, record: dict[str, Any]) -> StepOutput:
-        """Fold one event and return the step's current rows (re-emitted for duplicates too)."""
-        changed = self.fold(state, schema_name, record)
-        return StepOutput(records=self.outputs(state), changed=changed)
-
-    @staticmethod
-    def _add_dispatch(state: StepState, record: dict[str, Any]) -> None:
+    def _add_dispatch(self, state: StepState, record: dict[str, Any]) -> None:
         # Two dispatches for one step is a producer bug; the earliest (seq, event_id) wins either way.
-        if state.dispatch is None:
-            state.dispatch = record
-            return
         current = state.dispatch
-        if _order_key(record) < _order_key(current):
+        if current is None or _order_key(record) < _order_key(current):
             state.dispatch = record
-            state.extra_dispatches.append(current["envelope"]["event_id"])
+            if current is not None:
+                state.extra_dispatches.append(current["envelope"]["event_id"])
         else:
             state.extra_dispatches.append(record["envelope"]["event_id"])
         state.extra_dispatches.sort()
+        state.reward_policy = self.policies.for_dispatch(state.dispatch["envelope"]["event_time"]).version
+
+    def policy_of(self, state: StepState) -> RewardPolicy:
+        if state.reward_policy is not None:
+            return self.policies.get(state.reward_policy)
+        anchor = state.dispatched_us if state.dispatched_us is not None else 0
+        return self.policies.for_dispatch(anchor)
+
+    # --- weaving -------------------------------------------------------------------------------------------------
+
+    def weave(self, state: StepState) -> Weave:
+        policy = self.policy_of(state)
+        dispatched = state.dispatched_us
+        on_time, late = [], []
+        for event_id, reward in sorted(state.rewards.items()):
+            spec = policy.spec_for(reward["source"], reward["name"])
+            if dispatched is None:
+                on_time.append((event_id, reward, spec))  # undecided until the dispatch comes
+                continue
+            lateness = reward["envelope"]["event_time"] - (dispatched + _us(spec.deadline_s))
+            if lateness > 0:
+                late.append((event_id, reward, spec, lateness))
+            else:
+                on_time.append((event_id, reward, spec))
+        present = {(r["source"], r["name"]) for _, r, _ in on_time}
+        missing = [s for s in policy.required if not any(s.matches(src, name) for src, name in present)]
+        waiting = [s for s in missing if s.key not in state.passed]
+        ends = [_us(s.window_s) for s in policy.required if s.key not in state.passed]
+        next_window = dispatched + min(ends) if ends and dispatched is not None else None
+        return Weave(on_time, late, missing, waiting, next_window)
+
+    def pass_windows(
+        self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None
+    ) -> bool:
+        """Mark the required windows the watermark passed; a source missing then gets its imputed value."""
+        if state.dispatch is None:
+            return False
+        dispatched = state.dispatch["envelope"]["event_time"]
+        weave = self.weave(state)
+        changed = False
+        for spec in self.policy_of(state).required:
+            if spec.key in state.passed or dispatched + _us(spec.window_s) > watermark_us:
+                continue
+            state.passed.append(spec.key)
+            changed = True
+            if spec not in weave.missing:
+                continue
+            if spec.imputation is Imputation.DEFAULT:
+                state.imputed[spec.key] = float(spec.default_value)  # type: ignore[arg-type]
+            elif spec.imputation is Imputation.ROLLING_MEAN and rolling_means and spec.key in rolling_means:
+                state.imputed[spec.key] = rolling_means[spec.key]
+        state.passed.sort()
+        return changed
+
+    # --- rows ----------------------------------------------------------------------------------------------------
 
     def outputs(self, state: StepState) -> list[tuple[str, dict[str, Any]]]:
-        """The current derived records of the step; empty until its dispatch has arrived."""
+        """The step's current rows: late rewards, then its woven reward (once due), then its transition."""
         if state.dispatch is None:
             return []
-        woven = self.woven_reward(state)
-        records: list[tuple[str, dict[str, Any]]] = []
+        weave = self.weave(state)
+        records: list[tuple[str, dict[str, Any]]] = [
+            (LATE, self.late_reward(state, event_id, reward, spec, lateness))
+            for event_id, reward, spec, lateness in weave.late
+        ]
+        records += [
+            (LATE, self.resolved_orphan(state, event_id, reward, spec))
+            for event_id, reward, spec in weave.on_time
+            if event_id in state.orphans
+        ]
+        woven = self.woven_reward(state, weave)
         if woven is not None:
-            records.append(("treadle.derived.WovenReward", woven))
-        records.append(("treadle.derived.Transition", self.transition(state, woven)))
+            records.append((WOVEN, woven))
+        records.append((TRANSITION, self.transition(state, weave, woven)))
         return records
 
-    def components(self, state: StepState) -> list[dict[str, Any]]:
-        return [
-            {
-                "event_id": event_id,
-                "source": r["source"],
-                "name": r["name"],
-                "value": float(r["value"]),
-                "confidence": float(r["confidence"]),
-                "weight": 1.0,
-                "annotator": r["annotator"],
-                "event_time": r["envelope"]["event_time"],
-            }
-            for event_id, r in sorted(state.rewards.items())
+    def components(self, state: StepState, weave: Weave) -> list[Component]:
+        dispatched = state.dispatched_us
+        assert dispatched is not None
+        components = [
+            Component(
+                event_id=event_id,
+                source=r["source"],
+                name=r["name"],
+                value=float(r["value"]),
+                confidence=float(r["confidence"]),
+                weight=spec.weight,
+                annotator=r["annotator"],
+                attributes=r["envelope"].get("attributes") or {},
+                evidence=r.get("evidence"),
+                # in grace: how far past its window (event time) the reward came
+                lateness_ms=max(0, r["envelope"]["event_time"] - dispatched - _us(spec.window_s)) // 1000,
+                event_time=r["envelope"]["event_time"],
+            )
+            for event_id, r, spec in weave.on_time
         ]
+        if not weave.waiting:
+            components += [
+                Component(
+                    event_id=f"imputed:{spec.key}",
+                    source=spec.source,
+                    name=spec.name,
+                    value=state.imputed[spec.key],
+                    confidence=1.0,
+                    weight=spec.weight,
+                    evidence=f"{spec.imputation} imputation: no {spec.key} reward within {spec.window_s:g} s",
+                    imputed=True,
+                    event_time=dispatched + _us(spec.window_s),
+                )
+                for spec in weave.missing
+                if spec.key in state.imputed
+            ]
+        return components
 
-    def woven_reward(self, state: StepState) -> dict[str, Any] | None:
-        components = self.components(state)
-        fused = self.fusion.fuse(components)
-        if fused is None or state.dispatch is None:
+    def woven_reward(self, state: StepState, weave: Weave) -> dict[str, Any] | None:
+        if state.dispatch is None or weave.waiting:
+            return None  # still waiting for a required source
+        policy = self.policy_of(state)
+        fused = fuse(self.components(state, weave), policy.fusion)
+        if fused is None:
             return None
-        for c in components:
-            c["weight"] = fused.weights[c["event_id"]]
+        if not weave.missing:
+            status = "complete"
+        elif any(spec.key in state.imputed for spec in weave.missing):
+            status = "imputed"
+        else:
+            status = "partial"
         env = state.dispatch["envelope"]
         return {
             "logical_event_id": state.logical_event_id,
             "session_id": env["session_id"],
             "episode_id": env["episode_id"],
             "step": state.dispatch["step"],
-            "revision": len(components),
+            "revision": len(weave.on_time),
             "value": fused.value,
-            "status": fused.status,
-            "fusion": self.fusion.name,
+            "status": status,
+            "fusion": policy.fusion.name,
             "policy_version": env["policy_version"],
-            "components": components,
-            "woven_at": max(c["event_time"] for c in components),
+            "reward_policy_version": policy.version,
+            "components": fused.component_records(),
+            **fused.explanation(),
+            "woven_at": max(c.component.event_time for c in fused.contributions),
         }
 
-    def transition(self, state: StepState, woven: dict[str, Any] | None) -> dict[str, Any]:
+    def transition(self, state: StepState, weave: Weave, woven: dict[str, Any] | None) -> dict[str, Any]:
         dispatch = state.dispatch
         assert dispatch is not None
         env = dispatch["envelope"]
         result = max(state.results.values(), key=_order_key) if state.results else None
         times = [env["event_time"]]
         times += [r["envelope"]["event_time"] for r in state.results.values()]
-        times += [r["envelope"]["event_time"] for r in state.rewards.values()]
+        times += [r["envelope"]["event_time"] for _, r, _ in weave.on_time]
+        if woven is not None:
+            reward_status = woven["status"]
+        else:
+            reward_status = "partial" if weave.missing and not weave.waiting else "pending"
         return {
             "session_id": env["session_id"],
             "step": dispatch["step"],
             "logical_event_id": state.logical_event_id,
-            "revision": state.revision,
+            "revision": 1 + len(state.extra_dispatches) + len(state.results) + len(weave.on_time) + len(state.passed),
             "agent_id": env["agent_id"],
             "episode_id": env["episode_id"],
             "trace_id": env["trace_id"],
@@ -194,11 +322,97 @@ class StepAssembler:
             "tokens_out": result["tokens_out"] if result else 0,
             "result_at": result["envelope"]["event_time"] if result else None,
             "reward": woven["value"] if woven else None,
-            "reward_status": woven["status"] if woven else "pending",
+            "reward_status": reward_status,
             "reward_revision": woven["revision"] if woven else 0,
             "reward_components": woven["components"] if woven else [],
             "updated_at": max(times),
         }
+
+    # --- late rewards --------------------------------------------------------------------------------------------
+
+    def late_reward(
+        self, state: StepState, event_id: str, reward: dict[str, Any], spec: RewardSpec, lateness_us: int
+    ) -> dict[str, Any]:
+        assert state.dispatched_us is not None
+        return _late_record(
+            reward,
+            reason="AFTER_GRACE",
+            detail=f"{lateness_us / 1e6:.3f} s after window {spec.window_s:g} s + grace {spec.grace_s:g} s "
+            f"of {spec.key} (policy {state.reward_policy})",
+            lateness_us=lateness_us,
+            deadline_us=state.dispatched_us + _us(spec.deadline_s),
+            revision=2 if event_id in state.orphans else 1,
+            policy=state.reward_policy or "",
+        )
+
+    def resolved_orphan(self, state: StepState, event_id: str, reward: dict[str, Any], spec: RewardSpec) -> dict:
+        """An orphan whose dispatch came after all: it is woven now, and its late-rewards row says so."""
+        assert state.dispatched_us is not None
+        return _late_record(
+            reward,
+            reason="ORPHAN_RESOLVED",
+            detail=f"its dispatch arrived after the orphan wait; woven into step {state.dispatch['step']}",  # type: ignore[index]
+            lateness_us=0,
+            deadline_us=state.dispatched_us + _us(spec.deadline_s),
+            revision=2,
+            policy=state.reward_policy or "",
+        )
+
+    def orphan_deadline_us(self, reward: dict[str, Any]) -> int:
+        policy = self.policies.for_dispatch(reward["envelope"]["event_time"])
+        return reward["envelope"]["event_time"] + _us(policy.orphan_wait_s)
+
+    def orphan(self, state: StepState, event_id: str) -> dict[str, Any]:
+        """Report a reward whose dispatch did not come within the orphan wait (marks it in the state)."""
+        reward = state.rewards[event_id]
+        policy = self.policies.for_dispatch(reward["envelope"]["event_time"])
+        if event_id not in state.orphans:
+            state.orphans.append(event_id)
+            state.orphans.sort()
+        return _late_record(
+            reward,
+            reason="ORPHAN",
+            detail=f"no dispatch for logical_event_id {state.logical_event_id} within {policy.orphan_wait_s:g} s",
+            lateness_us=_us(policy.orphan_wait_s),
+            deadline_us=self.orphan_deadline_us(reward),
+            revision=1,
+            policy=policy.version,
+        )
+
+
+def is_episode_reward(schema_name: str, record: dict[str, Any]) -> bool:
+    """Episode-level rewards (attribute scope=episode) judge no single step: credit assignment spreads them."""
+    return schema_name == REWARD and (record["envelope"].get("attributes") or {}).get("scope") == "episode"
+
+
+def _late_record(
+    reward: dict[str, Any], *, reason: str, detail: str, lateness_us: int, deadline_us: int, revision: int, policy: str
+) -> dict[str, Any]:
+    env = reward["envelope"]
+    return {
+        "event_id": env["event_id"],
+        "logical_event_id": env["logical_event_id"],
+        "session_id": env["session_id"],
+        "episode_id": env["episode_id"],
+        "agent_id": env["agent_id"],
+        "policy_version": env["policy_version"],
+        "source": reward["source"],
+        "name": reward["name"],
+        "value": float(reward["value"]),
+        "confidence": float(reward["confidence"]),
+        "annotator": reward["annotator"],
+        "reason": reason,
+        "detail": detail,
+        "lateness_ms": lateness_us // 1000,
+        "deadline": deadline_us,
+        "event_time": env["event_time"],
+        "reward_policy_version": policy,
+        "revision": revision,
+    }
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1_000_000)
 
 
 def _order_key(record: dict[str, Any]) -> tuple[int, str]:

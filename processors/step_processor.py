@@ -2,10 +2,21 @@
 
 Per batch, each touched step is read once, folded with all its events, written once and its
 current rows published once; the fold is order-independent, so batching changes no result.
+
+Event time: every input event advances its partition's watermark (processors/watermarks.py). A step
+still missing a required reward source waits in a per-partition timer queue until the watermark
+passes its close time; orphan rewards (no dispatch) wait until their orphan deadline. Both queues
+are checked after each batch and by a timer every TREADLE_WINDOW_TICK_S, so steps close even when
+no input arrives. The queues live in memory and are rebuilt from the table when the worker starts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import logging
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,24 +24,43 @@ import faust
 
 from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
-from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
+from processors.policy_topic import PolicyTopic
+from processors.reward_policy import PolicyBook, load_policy_file
+from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, is_episode_reward
+from processors.watermarks import Watermarks
 from streams.settings import Settings
+from topics.catalog import TopicCatalog
+
+log = logging.getLogger(__name__)
+
+CLOSE = "close"
+POLICY_REFRESH_S = 5.0
 
 
 @dataclass
 class _Touched:
     state: StepState
     event: InputEvent  # any event of the step: all share its session's partition
+    not_woven: set[str]  # rewards already late or orphaned before this batch (for the late-rewards metric)
     changed: bool = False
 
 
 class StepProcessor:
     name = "steps"
+    kind = "core"
     inputs = frozenset(STEP_INPUTS)
 
     def __init__(self, assembler: StepAssembler | None = None) -> None:
         self.assembler = assembler or StepAssembler()
         self.table: Any = None  # faust.Table[bytes, bytes]
+        self.watermarks = Watermarks(5.0, 30.0)
+        self.ctx: ProcessingContext | None = None
+        # partition -> heap of (due event time us, logical_event_id, CLOSE or the orphan reward's event_id)
+        self._due: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
+        self._indexed_for: frozenset[Any] | None = None  # the assignment the timer queues were built for
+        self._lock = asyncio.Lock()
+        self._recent: dict[str, deque[float]] = {}  # spec key -> recent values, for rolling-mean imputation
+        self.policy_topic: PolicyTopic | None = None
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = app.Table(
@@ -40,24 +70,190 @@ class StepProcessor:
             value_type=bytes,
             help="StepState per logical_event_id, serialized with orjson.",
         )
+        if settings.reward_policy is not None:
+            self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
+        self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s)
+        policies = TopicCatalog(settings)["reward_policies"].name
+        self.policy_topic = PolicyTopic(settings.kafka_bootstrap_servers, policies)
+
+        @app.task
+        async def refresh_reward_policies() -> None:
+            while True:
+                await asyncio.sleep(POLICY_REFRESH_S)
+                try:
+                    await self.refresh_policies()
+                except Exception as exc:  # keep weaving with the policies known so far
+                    log.warning("could not refresh reward policies: %s", exc)
+
+        @app.timer(settings.window_tick_s, name=f"{self.name}-windows")
+        async def close_due_windows() -> None:
+            if self.ctx is not None:
+                await self.tick(self.ctx)
+
+    def attach(self, ctx: ProcessingContext) -> None:
+        self.ctx = ctx
+
+    async def refresh_policies(self) -> None:
+        """Learn policy versions pushed with `treadle policy push` (the worker also does it at start)."""
+        if self.policy_topic is not None:
+            await self.policy_topic.refresh(self.assembler.policies)
+
+    # --- batches -------------------------------------------------------------------------------------------------
 
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
+        async with self._lock:
+            await self._process(events, ctx)
+
+    async def _process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         touched: dict[bytes, _Touched] = {}
         for event in events:
-            key = event.record["envelope"]["logical_event_id"].encode()
+            env = event.record["envelope"]
+            self.watermarks.observe(event.source.partition, event.source.topic, env["event_time"])
+            if is_episode_reward(event.schema_name, event.record):
+                continue  # credit assignment (processors/credit_processor.py) spreads it over the episode
+            key = env["logical_event_id"].encode()
             entry = touched.get(key)
             try:
                 if entry is None:
                     ctx.bind(event)
                     stored = self.table.get(key)
                     state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
-                    entry = touched[key] = _Touched(state, event)
-                entry.changed |= self.assembler.fold(entry.state, event.schema_name, event.record)
+                    state.partition = event.source.partition
+                    entry = touched[key] = _Touched(state, event, self._not_woven(state))
+                joined_before = _joined_rewards(entry.state)
+                folded = self.assembler.fold(entry.state, event.schema_name, event.record)
+                entry.changed |= folded
+                if folded and event.schema_name == REWARD:
+                    self._remember(event.record)
+                _observe_joins(entry.state, joined_before, ctx)
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
+        for partition in {e.event.source.partition for e in touched.values()}:
+            self.watermarks.advance(partition)
         for key, entry in touched.items():
+            state = entry.state
+            entry.changed |= self._settle(state, ctx)
             if entry.changed:
-                await table_writes.put(self.table, key, entry.state.to_bytes(), entry.event, ctx)
+                await table_writes.put(self.table, key, state.to_bytes(), entry.event, ctx)
+            self._schedule(state)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
-            for schema_name, record in self.assembler.outputs(entry.state):
-                await ctx.publish(schema_name, record, key=entry.event.session_key)
+            await self._publish(state, entry.event.session_key, ctx, entry.not_woven)
+
+    # --- windows -------------------------------------------------------------------------------------------------
+
+    async def tick(self, ctx: ProcessingContext) -> None:
+        """Advance idle watermarks; close due steps and report due orphans, in every partition."""
+        async with self._lock:
+            app = self.table.app
+            if not app.tables.actives_ready:
+                return  # recovering: the table is not complete yet
+            assignment = frozenset(app.consumer.assignment())
+            if assignment != self._indexed_for:
+                self._rebuild_index()
+                self._indexed_for = assignment
+            open_steps = 0
+            for partition in list(self._due):
+                watermark = self.watermarks.advance(partition)
+                lag = self.watermarks.lag_s(partition)
+                if lag is not None:
+                    ctx.metrics.watermark_lag.labels(str(partition)).set(lag)
+                await self._fire_due(partition, watermark, ctx)
+                open_steps += sum(1 for _, _, what in self._due[partition] if what == CLOSE)
+            ctx.metrics.open_steps.set(open_steps)
+
+    async def _fire_due(self, partition: int, watermark: int | None, ctx: ProcessingContext) -> None:
+        heap = self._due[partition]
+        due: set[str] = set()
+        while heap and watermark is not None and heap[0][0] <= watermark:
+            due.add(heapq.heappop(heap)[1])
+        for lid in sorted(due):
+            key = lid.encode()
+            ctx.bind_partition(partition)
+            stored = self.table.get(key)
+            if stored is None:
+                continue
+            state = StepState.from_bytes(stored)
+            not_woven = self._not_woven(state)
+            if self._settle(state, ctx):
+                await table_writes.put_in_partition(self.table, key, state.to_bytes(), partition, ctx)
+                await self._publish(state, state.session_key, ctx, not_woven)
+            self._schedule(state)
+
+    def _settle(self, state: StepState, ctx: ProcessingContext) -> bool:
+        """Apply what the watermark implies now: close the window, report orphans. True if the state changed."""
+        watermark = self.watermarks.watermark(state.partition) if state.partition is not None else None
+        if watermark is None:
+            return False
+        if state.dispatch is None:
+            changed = False
+            for event_id, reward in sorted(state.rewards.items()):
+                if event_id not in state.orphans and self.assembler.orphan_deadline_us(reward) <= watermark:
+                    self.assembler.orphan(state, event_id)
+                    changed = True
+            return changed
+        return self.assembler.pass_windows(state, watermark, self._rolling_means())
+
+    def _schedule(self, state: StepState) -> None:
+        if state.partition is None:
+            return
+        heap = self._due[state.partition]
+        if state.dispatch is None:
+            for event_id, reward in state.rewards.items():
+                if event_id not in state.orphans:
+                    heapq.heappush(heap, (self.assembler.orphan_deadline_us(reward), state.logical_event_id, event_id))
+            return
+        next_window = self.assembler.weave(state).next_window_us
+        if next_window is not None:
+            heapq.heappush(heap, (next_window, state.logical_event_id, CLOSE))
+
+    def _rebuild_index(self) -> None:
+        """After a (re)start or rebalance, find the steps still waiting for a watermark in the table."""
+        self._due.clear()
+        count = 0
+        for _, stored in self.table.data.items():
+            state = StepState.from_bytes(stored)
+            self._schedule(state)
+            count += 1
+        waiting = sum(len(h) for h in self._due.values())
+        log.info("step windows: %d steps in the table, %d waiting for the watermark", count, waiting)
+
+    # --- output --------------------------------------------------------------------------------------------------
+
+    async def _publish(self, state: StepState, key: bytes, ctx: ProcessingContext, not_woven: set[str]) -> None:
+        """The step's current rows (late rewards and orphans included); counts rewards newly not woven."""
+        records = self.assembler.outputs(state)
+        if state.dispatch is None:
+            records += [(LATE, self.assembler.orphan(state, event_id)) for event_id in state.orphans]
+        for schema_name, record in records:
+            await ctx.publish(schema_name, record, key=key)
+            if schema_name == LATE and record["reason"] != "ORPHAN_RESOLVED" and record["event_id"] not in not_woven:
+                ctx.metrics.late_rewards.labels(record["source"]).inc()
+
+    def _not_woven(self, state: StepState) -> set[str]:
+        late = {event_id for event_id, *_ in self.assembler.weave(state).late} if state.dispatch else set()
+        return late | set(state.orphans)
+
+    def _remember(self, reward: dict[str, Any]) -> None:
+        policy = self.assembler.policies.for_dispatch(reward["envelope"]["event_time"])
+        spec = policy.spec_for(reward["source"], reward["name"])
+        values = self._recent.get(spec.key)
+        if values is None:
+            values = self._recent[spec.key] = deque(maxlen=spec.rolling_count)
+        values.append(float(reward["value"]))
+
+    def _rolling_means(self) -> dict[str, float]:
+        return {key: sum(v) / len(v) for key, v in self._recent.items() if v}
+
+
+def _joined_rewards(state: StepState) -> int:
+    """Rewards that have met their dispatch (a reward that came first joins when the dispatch does)."""
+    return len(state.rewards) if state.dispatch is not None else 0
+
+
+def _observe_joins(state: StepState, joined_before: int, ctx: ProcessingContext) -> None:
+    newly_joined = _joined_rewards(state) - joined_before
+    if newly_joined > 0:
+        assert state.dispatch is not None
+        waited = max(0.0, time.time() - state.dispatch["envelope"]["event_time"] / 1e6)
+        for _ in range(newly_joined):
+            ctx.metrics.reward_join_latency.observe(waited)

@@ -21,6 +21,13 @@ async def put(table: Any, key: bytes, value: bytes, event: InputEvent, ctx: Proc
     await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=event.source.partition)
 
 
+async def put_in_partition(table: Any, key: bytes, value: bytes, partition: int, ctx: ProcessingContext) -> None:
+    """table[key] = value in `partition`, outside any input event (a timer closing windows)."""
+    ctx.bind_partition(partition)
+    table.data[key] = value
+    await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
+
+
 async def delete(table: Any, key: bytes, event: InputEvent, ctx: ProcessingContext) -> None:
     """del table[key]: a tombstone in the changelog, so compaction and recovery drop the key too."""
     ctx.bind(event)

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer
 from processors.intake import Accepted, Intake, SourceMessage
 from sinks.clickhouse import ClickHouseStore
 from sinks.writer import ClickHouseSink
+from streams.metrics import SinkMetrics
 from streams.settings import Settings
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DecodeError
@@ -34,7 +35,9 @@ class SinkConsumer:
         self.settings = settings
         self.codec = codec
         self.intake = intake
-        self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size)
+        self.metrics = SinkMetrics()
+        self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size, metrics=self.metrics)
+        self._consumer: AIOKafkaConsumer | None = None
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self.skipped = 0
 
@@ -42,14 +45,29 @@ class SinkConsumer:
         return AIOKafkaConsumer(
             *self._specs,
             bootstrap_servers=self.settings.kafka_bootstrap_servers,
-            group_id=f"{self.settings.app_id}-clickhouse-sink",
+            group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=self.settings.sink_batch_size,
         )
 
+    @property
+    def group_id(self) -> str:
+        return f"{self.settings.app_id}-clickhouse-sink"
+
+    async def exposition(self) -> bytes:
+        """Prometheus text: insert batches and, as of now, how far the sink is behind each partition."""
+        consumer = self._consumer
+        if consumer is not None:
+            for tp in consumer.assignment():
+                end = consumer.highwater(tp)  # from the last fetch response; None before the first
+                if end is not None:
+                    lag = max(0, end - await consumer.position(tp))
+                    self.metrics.consumer_lag.labels(self.group_id, tp.topic, str(tp.partition)).set(lag)
+        return self.metrics.exposition()
+
     async def run(self) -> None:
-        consumer = self.consumer()
+        consumer = self._consumer = self.consumer()
         await consumer.start()
         try:
             await self._loop(consumer)

@@ -27,7 +27,11 @@ INPUT_SCHEMAS: Mapping[str, str] = {
     "lifecycle": "treadle.events.LifecycleEvent",
 }
 
-_COMPONENT_FIELDS = ("event_id", "source", "name", "value", "confidence", "weight", "annotator", "event_time")
+_COMPONENT_FIELDS = (
+    "event_id", "source", "name", "value", "confidence", "weight", "annotator", "event_time",
+    "contribution", "adjusted_value", "lateness_ms", "evidence", "imputed",
+)  # fmt: skip
+_CONFLICT_FIELDS = ("a_event_id", "b_event_id", "a_value", "b_value", "difference")
 
 TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "raw_events": (
@@ -46,11 +50,25 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     ),
     "woven_rewards": (
         "logical_event_id", "session_id", "episode_id", "step", "revision", "value", "status", "fusion",
-        "policy_version", *(f"components.{f}" for f in _COMPONENT_FIELDS), "woven_at",
+        "policy_version", *(f"components.{f}" for f in _COMPONENT_FIELDS), "woven_at", "reward_policy_version",
+        "rules_fired", *(f"conflicts.{f}" for f in _CONFLICT_FIELDS), "imputed",
     ),
     "dead_letters": (
         "dead_letter_id", "stage", "reason", "topic", "partition", "offset", "key", "value", "event_id",
         "session_id", "schema_name", "failed_at",
+    ),
+    "late_rewards": (
+        "event_id", "logical_event_id", "session_id", "episode_id", "agent_id", "policy_version", "source", "name",
+        "value", "confidence", "annotator", "reason", "detail", "lateness_ms", "deadline", "event_time",
+        "reward_policy_version", "revision",
+    ),
+    "resource_samples": (
+        "sample_id", "host", "gpu_index", "gpu_uuid", "gpu_name", "utilization", "memory_used_bytes",
+        "memory_total_bytes", "power_watts", "sampled_at",
+    ),
+    "evaluation_metrics": (
+        "metric_id", "evaluator", "metric", "rule", "value", "severity", "session_id", "episode_id",
+        "logical_event_id", "agent_id", "policy_version", "source_event_id", "event_time", "evidence",
     ),
 }  # fmt: skip
 
@@ -139,7 +157,10 @@ def _reward_signal(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]
 
 
 def _components(prefix: str, components: Sequence[Mapping[str, Any]]) -> Row:
-    """A RewardComponent list as Nested sub-columns: one list per field, aligned by index."""
+    """A RewardComponent list as Nested sub-columns: one list per field, aligned by index.
+
+    Explanation fields absent from older records take the schema's defaults (adjusted_value None: same as value).
+    """
     return {
         f"{prefix}.event_id": [str(c["event_id"]) for c in components],
         f"{prefix}.source": [c["source"] for c in components],
@@ -149,6 +170,26 @@ def _components(prefix: str, components: Sequence[Mapping[str, Any]]) -> Row:
         f"{prefix}.weight": [float(c.get("weight", 1.0)) for c in components],
         f"{prefix}.annotator": [str(c["annotator"]) for c in components],
         f"{prefix}.event_time": [micros(c["event_time"]) for c in components],
+        f"{prefix}.contribution": [float(c.get("contribution", 0.0)) for c in components],
+        f"{prefix}.adjusted_value": [_optional_float(c.get("adjusted_value")) for c in components],
+        f"{prefix}.lateness_ms": [int(c.get("lateness_ms", 0)) for c in components],
+        f"{prefix}.evidence": [c.get("evidence") for c in components],
+        f"{prefix}.imputed": [bool(c.get("imputed", False)) for c in components],
+    }
+
+
+def _optional_float(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _conflicts(conflicts: Sequence[Mapping[str, Any]]) -> Row:
+    """RewardConflict records as the conflicts.* Nested sub-columns."""
+    return {
+        "conflicts.a_event_id": [str(c["a_event_id"]) for c in conflicts],
+        "conflicts.b_event_id": [str(c["b_event_id"]) for c in conflicts],
+        "conflicts.a_value": [float(c["a_value"]) for c in conflicts],
+        "conflicts.b_value": [float(c["b_value"]) for c in conflicts],
+        "conflicts.difference": [float(c["difference"]) for c in conflicts],
     }
 
 
@@ -197,6 +238,10 @@ def _woven_reward(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]
         "policy_version": record.get("policy_version", ""),
         **_components("components", record["components"]),
         "woven_at": micros(record["woven_at"]),
+        "reward_policy_version": record.get("reward_policy_version", ""),
+        "rules_fired": list(record.get("rules_fired") or []),
+        **_conflicts(record.get("conflicts") or []),
+        "imputed": list(record.get("imputed") or []),
     }
     return [("woven_rewards", row)]
 
@@ -219,6 +264,38 @@ def _dead_letter(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
     return [("dead_letters", row)]
 
 
+def _evaluation_metric(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {
+        "metric_id": record["metric_id"],
+        "evaluator": record["evaluator"],
+        "metric": record["metric"],
+        "rule": record["rule"],
+        "value": float(record["value"]),
+        "severity": record["severity"],
+        "session_id": record["session_id"],
+        "episode_id": record["episode_id"],
+        "logical_event_id": record["logical_event_id"],
+        "agent_id": record["agent_id"],
+        "policy_version": record.get("policy_version", ""),
+        "source_event_id": record["source_event_id"],
+        "event_time": micros(record["event_time"]),
+        "evidence": record.get("evidence"),
+    }
+    return [("evaluation_metrics", row)]
+
+
+def _late_reward(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["late_rewards"]}
+    row["deadline"], row["event_time"] = micros(record["deadline"]), micros(record["event_time"])
+    return [("late_rewards", row)]
+
+
+def _resource_sample(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["resource_samples"]}
+    row["sampled_at"] = micros(record["sampled_at"])
+    return [("resource_samples", row)]
+
+
 _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     "actions": _input_event,
     "tool_results": _input_event,
@@ -228,4 +305,7 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "transitions": _transition,
     "woven_rewards": _woven_reward,
     "dead_letters": _dead_letter,
+    "evaluation_metrics": _evaluation_metric,
+    "resource_samples": _resource_sample,
+    "late_rewards": _late_reward,
 }

@@ -11,11 +11,13 @@ that absorb duplicates.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from sinks.clickhouse import ClickHouseStore
 from sinks.rows import TABLE_COLUMNS, rows_for
+from streams.metrics import SinkMetrics
 
 
 class _TableBatch:
@@ -47,11 +49,12 @@ class ClickHouseSink:
     loop: call `flush()` on a timer; it is a no-op when nothing is buffered.
     """
 
-    def __init__(self, store: ClickHouseStore, batch_size: int = 5000) -> None:
+    def __init__(self, store: ClickHouseStore, batch_size: int = 5000, metrics: SinkMetrics | None = None) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.store = store
         self.batch_size = batch_size
+        self.metrics = metrics
         self._batches: dict[str, _TableBatch] = {}
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()
@@ -100,7 +103,11 @@ class ClickHouseSink:
                 for table in list(batches):
                     batch = batches[table]
                     if batch.rows:
+                        started = time.perf_counter()
                         await self.store.insert(table, batch.columns, batch.names, column_oriented=True)
+                        if self.metrics is not None:
+                            self.metrics.batch_seconds.labels(table).observe(time.perf_counter() - started)
+                            self.metrics.batch_rows.labels(table).observe(batch.rows)
                         self._written[table] += batch.rows
                         inserted[table] = batch.rows
                     del batches[table]

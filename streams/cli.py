@@ -31,8 +31,11 @@ class UserError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     from aiokafka.errors import KafkaConnectionError
 
+    from processors.plugins import PluginError
+    from processors.reward_policy import PolicyError
     from sinks.clickhouse import ClickHouseUnavailableError
     from sinks.sql_guard import ReadOnlyQueryError
+    from streams.eval_report import ReportError
     from streams.local.process import StackError
     from streams.sql_client import QueryFailedError
     from topics.admin import TopicMismatchError
@@ -49,6 +52,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         QueryFailedError,
         ClickHouseUnavailableError,
         KafkaConnectionError,
+        PluginError,
+        PolicyError,
+        ReportError,
     )
 
 
@@ -178,6 +184,29 @@ def _cell(value: Any) -> str:
 
 @app.command()
 @friendly
+def explain(
+    logical_event_id: str = typer.Argument(..., help="The step whose reward to explain."),
+    revision: int | None = typer.Option(None, "--revision", help="An older revision of the woven reward."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Why a step got its reward: components, weights, contributions, rules fired, conflicts, imputed parts."""
+    from functools import partial
+
+    from streams.explain import ExplainError, fetch_explanation, render
+    from streams.sql_client import run_sql
+
+    try:
+        explanation = fetch_explanation(partial(run_sql, settings()), logical_event_id, revision)
+    except ExplainError as exc:
+        raise UserError(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(explanation.as_json(), default=str) + "\n")
+    else:
+        render(explanation, console)
+
+
+@app.command()
+@friendly
 def topics() -> None:
     """List the topic catalog and what the broker has."""
     from topics.catalog import TopicCatalog
@@ -199,6 +228,33 @@ def topics() -> None:
             "missing" if found is None else f"{found} partitions",
         )
     console.print(table)
+
+
+@app.command()
+@friendly
+def processors(as_json: bool = typer.Option(False, "--json", help="Print one JSON object per processor.")) -> None:
+    """List the processor plugins (entry points `treadle.processors`) and which ones TREADLE_PROCESSORS enables."""
+    from processors.plugins import ProcessorRegistry
+
+    enabled = set(settings().processors)
+    infos, errors = ProcessorRegistry.discover().describe()
+    if as_json:
+        for info in infos:
+            sys.stdout.write(json.dumps({**info.to_json(), "enabled": info.name in enabled}) + "\n")
+    else:
+        table = Table(show_header=True, header_style="bold")
+        for column in ("name", "kind", "enabled", "inputs", "module"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("doc")
+        for info in infos:
+            inputs = "\n".join(i.rsplit(".", 1)[-1] for i in info.inputs)
+            on = "yes" if info.name in enabled else ""
+            table.add_row(info.name, str(info.kind), on, inputs, info.module, info.doc)
+        console.print(table)
+    for error in errors:
+        err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+    if errors:
+        raise typer.Exit(1)
 
 
 async def _topic_states(s: Settings) -> dict[str, int]:
@@ -254,6 +310,79 @@ def schemas_register(
         console.print(f"{schema.name} ({schema.fingerprint:016x}) was already registered")
 
 
+policy_app = typer.Typer(help="Reward policies (specs per reward source) on the _<prefix>.reward_policies topic.",
+                         no_args_is_help=True)  # fmt: skip
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("push")
+@friendly
+def policy_push(
+    path: Annotated[Path, typer.Argument(help="A JSON or YAML reward policy (see README: Reward weaving).")],
+    effective_from: str = typer.Option(
+        "+10s",
+        help="Event time from which new steps use it: now, +30s (from now), or an ISO time. "
+        "Ignored when the file sets effective_from_us.",
+    ),
+) -> None:
+    """Publish a reward policy version; workers pick it up within seconds, for steps dispatched after it."""
+    from datetime import UTC, datetime
+
+    from processors.policy_topic import PolicyTopic
+    from processors.reward_policy import load_policy_file
+    from streams.eval_report import parse_time
+
+    policy = load_policy_file(path)
+    if policy.effective_from_us == 0:
+        now = datetime.now(UTC)
+        text = effective_from.strip()
+        if text.startswith("+"):  # a duration from now, into the future
+            moment = now + (now - parse_time(text[1:], "--effective-from", now))
+        else:
+            moment = parse_time(text, "--effective-from", now)
+        policy = policy.model_copy(update={"effective_from_us": int(moment.timestamp() * 1_000_000)})
+    s = settings()
+    topic = PolicyTopic(s.kafka_bootstrap_servers, _catalog(s)["reward_policies"].name)
+    if asyncio.run(topic.push(policy)):
+        console.print(f"pushed reward policy {policy.version}, effective from {_micros_iso(policy.effective_from_us)}")
+    else:
+        console.print(f"reward policy {policy.version} was already pushed with this content")
+
+
+@policy_app.command("list")
+@friendly
+def policy_list(as_json: bool = typer.Option(False, "--json", help="Print the policies as JSON.")) -> None:
+    """Every pushed reward policy version, oldest first."""
+    from processors.policy_topic import PolicyTopic
+
+    s = settings()
+    policies = asyncio.run(PolicyTopic(s.kafka_bootstrap_servers, _catalog(s)["reward_policies"].name).load())
+    policies.sort(key=lambda p: (p.effective_from_us, p.version))
+    if as_json:
+        console.print_json(json.dumps([p.model_dump(mode="json") for p in policies]))
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in ("version", "effective from", "specs", "required", "fusion rules"):
+        table.add_column(column)
+    for p in policies:
+        required = ", ".join(spec.key for spec in p.required) or "-"
+        rules = str(len(p.fusion.rules))
+        table.add_row(p.version, _micros_iso(p.effective_from_us), str(len(p.specs)), required, rules)
+    console.print(table)
+
+
+def _micros_iso(micros: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(micros / 1_000_000, UTC).isoformat(timespec="seconds")
+
+
+def _catalog(s: Settings):
+    from topics.catalog import TopicCatalog
+
+    return TopicCatalog(s)
+
+
 def _registry(s: Settings):
     from topics.catalog import TopicCatalog
     from topics.registry import SchemaRegistry
@@ -273,6 +402,36 @@ def demo(
     from streams.demo import run_demo
 
     run_demo(settings(), sessions=sessions, steps=steps, seed=seed, timeout=timeout, console=console)
+
+
+@app.command("eval")
+@friendly
+def eval_report(
+    since: str | None = typer.Option(None, help="Start (inclusive): ISO time, or a duration ago like 24h, 7d."),
+    until: str | None = typer.Option(None, help="End (exclusive): ISO time, or a duration ago; default now."),
+    policy_version: Annotated[
+        list[str] | None, typer.Option("--policy-version", help="Only this policy version (repeatable).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the PNG charts (default: TREADLE_HOME/eval).")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+) -> None:
+    """Evaluation report: tool success and latency, episode return/success/cost, safety, preference win rate."""
+    from functools import partial
+
+    from streams.eval_charts import write_charts
+    from streams.eval_report import ReportError, build_report, filters_from_options, render
+    from streams.sql_client import run_sql
+
+    s = settings()
+    try:
+        report = build_report(partial(run_sql, s), filters_from_options(since, until, policy_version or []))
+    except ReportError as exc:
+        raise UserError(str(exc)) from None
+    report.charts = [str(path) for path in write_charts(report, out or s.home / "eval")]
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_json(), default=str) + "\n")
+    else:
+        render(report, console)
 
 
 def main() -> None:

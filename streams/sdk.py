@@ -44,8 +44,8 @@ from typing import Any, Self, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
-from aiokafka.partitioner import murmur2
 
+from streams.batching import Batch, PartitionBatcher, key_hash
 from streams.producer import create_producer
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
@@ -119,6 +119,20 @@ class LifecycleKind(StrEnum):
     SESSION_RESUMED = "SESSION_RESUMED"
     SESSION_CLOSED = "SESSION_CLOSED"
     SESSION_ARCHIVED = "SESSION_ARCHIVED"
+
+
+_TOOL_STATUSES = {m.value: m for m in ToolStatus}
+_ANNOTATORS = {m.value: m for m in Annotator}
+E = TypeVar("E", bound=StrEnum)
+
+
+def _member(kind: type[E], by_value: dict[str, E], given: Any) -> E:
+    """`kind(given)` (ValueError for an unknown value) without Enum's slow call for members and known strings."""
+    if type(given) is kind:
+        return given
+    if type(given) is str and (member := by_value.get(given)) is not None:
+        return member
+    return kind(given)
 
 
 class StreamError(Exception):
@@ -219,7 +233,7 @@ class ToolCall:
         """Fix latency and status from how the block ended."""
         self.latency_ms = (time.perf_counter() - self._started) * 1000.0
         if exc is None:
-            self.status = ToolStatus(self.status) if self.status is not None else ToolStatus.OK
+            self.status = ToolStatus.OK if self.status is None else _member(ToolStatus, _TOOL_STATUSES, self.status)
         elif isinstance(exc, TimeoutError):  # asyncio.TimeoutError is TimeoutError since 3.11
             self.status = ToolStatus.TIMEOUT
             self.error = self.error or _describe(exc) or "timed out"
@@ -306,9 +320,12 @@ class _Emitter:
         self._owns_producer = producer is None
         self._producer_options = dict(producer_options or {})
         self._seq = 0
-        self._pending: dict[asyncio.Future[Any], tuple[str, dict[str, Any]]] = {}  # send future -> (schema, record)
-        # (monotonic send time, future) in send order; acknowledged entries are dropped lazily from the left
-        self._sent_order: deque[tuple[float, asyncio.Future[Any]]] = deque()
+        self._batcher: PartitionBatcher | None = None
+        self._tokens = 0  # numbers the events handed over, for the batches' delivery callbacks
+        self._pending: dict[int, tuple[str, dict[str, Any], Batch]] = {}  # token -> (schema, record, its batch)
+        # (monotonic send time, token) in send order; acknowledged entries are dropped lazily from the left
+        self._sent_order: deque[tuple[float, int]] = deque()
+        self._delivered_callback = self._on_delivered  # bound once: it is stored with every event
         self._failures: list[FailedEvent] = []
         self._abandoned = False  # some events were reported undelivered while the producer still holds them
         self._partition_counts: dict[str, int] = {}
@@ -338,6 +355,7 @@ class _Emitter:
                         "first (`treadle up`, or topics.admin.ensure_topics)"
                     ) from None
                 self._partition_counts[topic] = len(partitions)
+            self._batcher = PartitionBatcher.for_producer(self._producer)
         except BaseException:
             if self._owns_producer:
                 await self._producer.stop()
@@ -355,11 +373,9 @@ class _Emitter:
         """
         waiting = list(self._pending)  # what was sent so far; later sends are the next flush's
         if waiting:
-            await asyncio.wait(waiting, timeout=self.delivery_timeout_s if timeout is None else timeout)
-            for future in waiting:  # done callbacks may not have run yet; _on_sent is idempotent
-                if future.done():
-                    self._on_sent(future)
-            overdue = [f for f in waiting if f in self._pending]
+            batches = {sent[2].done for sent in self._pending.values()}  # resolved once their events were told
+            await asyncio.wait(batches, timeout=self.delivery_timeout_s if timeout is None else timeout)
+            overdue = [token for token in waiting if token in self._pending]
             if overdue:
                 self._expire(overdue, "not acknowledged by the broker when flush timed out")
         if not self._pending:
@@ -384,8 +400,11 @@ class _Emitter:
         aiokafka's stop() waits for every batch, and with idempotence a batch to a dead broker is
         retried forever. Those events were already reported to the caller, so the sender is stopped
         first (no more retries) and their batches failed (aiokafka's own fail_all, the step it takes
-        on a fatal sender error); these are aiokafka internals, hence the getattr guards.
+        on a fatal sender error); these are aiokafka internals, hence the getattr guards. Batches
+        not yet handed to the producer are failed first, so none is added while it stops.
         """
+        if self._batcher is not None:
+            self._batcher.abort(KafkaTimeoutError("the stream closed before these events reached the producer"))
         if self._abandoned:
             sender = getattr(producer, "_sender", None)
             accumulator = getattr(producer, "_message_accumulator", None)
@@ -430,16 +449,16 @@ class _Emitter:
             cutoff = time.monotonic() - self.delivery_timeout_s
             overdue = []
             while order and order[0][0] < cutoff:
-                future = order.popleft()[1]
-                if future in pending:
-                    overdue.append(future)
+                token = order.popleft()[1]
+                if token in pending:
+                    overdue.append(token)
             self._expire(overdue, f"not acknowledged within {self.delivery_timeout_s}s")
         self._raise_failures()
 
-    def _expire(self, futures: Iterable[asyncio.Future[Any]], why: str) -> None:
+    def _expire(self, tokens: Iterable[int], why: str) -> None:
         """Report pending events as failed; the producer may still deliver them (event_id deduplicates)."""
-        for future in futures:
-            schema, record = self._pending.pop(future)
+        for token in tokens:
+            schema, record, _ = self._pending.pop(token)
             self._abandoned = True
             self._failures.append(FailedEvent(schema, self._topics[schema], record, KafkaTimeoutError(why)))
 
@@ -485,34 +504,53 @@ class _Emitter:
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
 
-    async def _send(self, schema: str, record: dict[str, Any], value: bytes) -> None:
-        """Hand one encoded event to the producer and track its acknowledgement in the background."""
+    def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
+        """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.
+
+        Returns None once it is handed over, which is almost always; when the partition's batch is
+        full, a coroutine the caller awaits (it waits for room, then hands the event over). No
+        coroutine per event on the hot path.
+        """
         topic = self._topics[schema]
-        assert self._producer is not None
         session_id = record["envelope"]["session_id"]
         if self._hashed[0] != session_id or not session_id:
             key = session_id.encode()
-            self._hashed = (session_id, key, murmur2(key) & 0x7FFFFFFF)
+            self._hashed = (session_id, key, key_hash(key))
         _, key, hashed = self._hashed
+        # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
+        partition = hashed % self._partition_counts[topic]
+        token = self._tokens
+        self._tokens += 1
+        assert self._batcher is not None
         try:
-            # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
-            partition = hashed % self._partition_counts[topic]
-            future = await self._producer.send(topic, value, key=key, partition=partition)
+            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
         except Exception as exc:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
-        self._pending[future] = (schema, record)
-        self._sent_order.append((time.monotonic(), future))
-        future.add_done_callback(self._on_sent)
+        if batch is None:
+            return self._send_when_room(schema, record, topic, partition, key, value, token)
+        self._pending[token] = (schema, record, batch)
+        self._sent_order.append((time.monotonic(), token))
+        return None
 
-    def _on_sent(self, future: asyncio.Future[Any]) -> None:
-        # Retrieve the outcome first, also for events already reported as expired (no "never retrieved" noise).
-        error: BaseException | None
-        error = asyncio.CancelledError("send cancelled") if future.cancelled() else future.exception()
-        sent = self._pending.pop(future, None)
-        if sent is None:
-            return
-        if error is not None:
-            schema, record = sent
+    async def _send_when_room(
+        self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
+    ) -> None:
+        """The partition's batch is full and the producer has not taken it yet: wait, as aiokafka's send() does."""
+        assert self._batcher is not None
+        try:
+            batch = None
+            while batch is None:
+                await self._batcher.room(topic, partition)
+                batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
+        except Exception as exc:
+            raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
+        self._pending[token] = (schema, record, batch)
+        self._sent_order.append((time.monotonic(), token))
+
+    def _on_delivered(self, token: int, error: BaseException | None) -> None:
+        sent = self._pending.pop(token, None)  # None: already reported as expired
+        if sent is not None and error is not None:
+            schema, record, _ = sent
             self._failures.append(FailedEvent(schema, self._topics[schema], record, error))
 
     async def _emit_reward(
@@ -558,12 +596,13 @@ class _Emitter:
             "name": name,
             "value": float(value),
             "confidence": float(confidence),
-            "annotator": Annotator(annotator).value,
+            "annotator": _member(Annotator, _ANNOTATORS, annotator).value,
             "evidence": evidence,
         }
         encoded = self._encode(REWARD, record)
         self._next_seq()
-        await self._send(REWARD, record, encoded)
+        if (waiting := self._send(REWARD, record, encoded)) is not None:
+            await waiting
         return event_id
 
 
@@ -602,6 +641,7 @@ class AgentStream(_Emitter):
         self.episode_id = episode_id or uuid7()
         self.tool_schemas = tool_schemas if tool_schemas is not None else ToolSchemas.load(self.settings.tool_schemas)
         self._step = 0
+        self._episode_steps = 0  # dispatches since this stream switched to its current episode
 
     @property
     def next_step(self) -> int:
@@ -658,8 +698,10 @@ class AgentStream(_Emitter):
         encoded = self._encode(ACTION, record)
         # No await between reading the counters and advancing them: concurrent dispatches never share a step.
         self._step += 1
+        self._episode_steps += 1
         self._next_seq()
-        await self._send(ACTION, record, encoded)
+        if (waiting := self._send(ACTION, record, encoded)) is not None:
+            await waiting
         return StepRef(
             logical_event_id=event_id,
             trace_id=trace,
@@ -698,7 +740,7 @@ class AgentStream(_Emitter):
         self._surface_failures()
         return await self._tool_result(
             step,
-            ToolStatus(status),
+            _member(ToolStatus, _TOOL_STATUSES, status),
             output=output,
             error=error,
             latency_ms=latency_ms,
@@ -751,7 +793,8 @@ class AgentStream(_Emitter):
         }
         encoded = self._encode(TOOL_RESULT, record)
         self._next_seq()
-        await self._send(TOOL_RESULT, record, encoded)
+        if (waiting := self._send(TOOL_RESULT, record, encoded)) is not None:
+            await waiting
         return event_id
 
     async def _emit_tool_call(self, call: ToolCall, in_flight: BaseException | None) -> None:
@@ -764,7 +807,7 @@ class AgentStream(_Emitter):
         try:
             await self._tool_result(
                 call.step,
-                ToolStatus(call.status),
+                _member(ToolStatus, _TOOL_STATUSES, call.status),
                 output=call.output,
                 error=call.error,
                 latency_ms=call.latency_ms,
@@ -851,7 +894,8 @@ class AgentStream(_Emitter):
         }
         encoded = self._encode(STATE_DELTA, record)
         self._next_seq()
-        await self._send(STATE_DELTA, record, encoded)
+        if (waiting := self._send(STATE_DELTA, record, encoded)) is not None:
+            await waiting
         return event_id
 
     async def lifecycle(
@@ -864,11 +908,20 @@ class AgentStream(_Emitter):
         episode_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        reward: float | None = None,
+        steps: int | None = None,
     ) -> str:
-        """Emit a session/episode phase change; `episode_id` switches this stream to that episode first."""
+        """Emit a session/episode phase change; `episode_id` switches this stream to that episode first.
+
+        EPISODE_ENDED may carry the episode's `reward` (spread over its steps by the credit processor);
+        `steps` defaults to the dispatches this stream made in the episode, which credit waits for.
+        """
         self._check_ready()
         self._surface_failures()
         kind = LifecycleKind(kind)
+        switching = bool(episode_id) and episode_id != self.episode_id
+        if steps is None and kind is LifecycleKind.EPISODE_ENDED and not switching:
+            steps = self._episode_steps
         event_id = uuid7()
         record = {
             "envelope": self._envelope(
@@ -885,12 +938,17 @@ class AgentStream(_Emitter):
             "done": bool(done),
             "truncated": bool(truncated),
             "reason": reason,
+            "reward": None if reward is None else float(reward),
+            "steps": None if steps is None else int(steps),
         }
         encoded = self._encode(LIFECYCLE, record)
+        if switching:
+            self._episode_steps = 0
         if episode_id:
             self.episode_id = episode_id
         self._next_seq()
-        await self._send(LIFECYCLE, record, encoded)
+        if (waiting := self._send(LIFECYCLE, record, encoded)) is not None:
+            await waiting
         return event_id
 
 
@@ -1243,6 +1301,8 @@ class AgentStreamSync(_SyncFacade):
         episode_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        reward: float | None = None,
+        steps: int | None = None,
     ) -> str:
         """See AgentStream.lifecycle."""
         return self._runner.call(
@@ -1254,6 +1314,8 @@ class AgentStreamSync(_SyncFacade):
                 episode_id=episode_id,
                 attributes=attributes,
                 event_time=event_time,
+                reward=reward,
+                steps=steps,
             )
         )
 

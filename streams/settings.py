@@ -67,11 +67,21 @@ class Settings(BaseModel):
     )
     app_id: str = Field(default="treadle", description="TREADLE_APP_ID: Faust app id (consumer group, table names).")
     web_port: int = Field(
-        default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/sql for `treadle sql`, Faust pages)."
+        default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/metrics for Prometheus, Faust pages)."
+    )
+    bind_host: str = Field(
+        default="127.0.0.1",
+        description="TREADLE_BIND_HOST: address the worker's web port and the sink's SQL/metrics port bind; "
+        "0.0.0.0 in containers so Prometheus can scrape (the SQL endpoint is read-only).",
+    )
+    gpu_sample_seconds: float = Field(
+        default=10.0,
+        description="TREADLE_GPU_SAMPLE_SECONDS: GPU telemetry period (NVML metrics and resource events); 0 = off.",
     )
     processors: tuple[str, ...] = Field(
         default=("steps",),
-        description="TREADLE_PROCESSORS: comma-separated built-in processors the worker runs (steps).",
+        description="TREADLE_PROCESSORS: comma-separated processors the worker runs, by plugin name "
+        "(`treadle processors` lists them: steps, safety, credit, safety_judge, llm_judge).",
     )
     process_batch_size: int = Field(
         default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
@@ -79,17 +89,63 @@ class Settings(BaseModel):
     process_batch_seconds: float = Field(
         default=0.05, description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch before folding it."
     )
+    reward_policy: Path | None = Field(
+        default=None,
+        description="TREADLE_REWARD_POLICY: JSON/YAML reward policy (specs per source); unset = every source "
+        "optional, window 1 day. `treadle policy push` publishes newer versions at runtime.",
+    )
+    watermark_lag_s: float = Field(
+        default=5.0,
+        description="TREADLE_WATERMARK_LAG_S: bounded out-of-orderness; the watermark trails the newest event "
+        "time by this.",
+    )
+    idle_timeout_s: float = Field(
+        default=30.0,
+        description="TREADLE_IDLE_TIMEOUT_S: a silent input partition stops holding the watermark back after this; "
+        "when all are silent the watermark follows processing time.",
+    )
+    window_tick_s: float = Field(
+        default=1.0, description="TREADLE_WINDOW_TICK_S: how often the worker closes due step windows with no input."
+    )
     sink: Literal["child", "off"] = Field(
         default="child",
         description="TREADLE_SINK: child = `treadle worker` runs `treadle sink` as a child process; "
         "off = processors only (run `treadle sink` yourself).",
     )
     sql_port: int = Field(
-        default=16067, description="TREADLE_SQL_PORT: 127.0.0.1 port where the sink answers `treadle sql`."
+        default=16067, description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves /metrics."
     )
     sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
     sink_flush_seconds: float = Field(
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
+    )
+    credit_rule: Literal["terminal", "uniform", "discounted"] = Field(
+        default="discounted",
+        description="TREADLE_CREDIT_RULE: how the credit processor spreads an episode reward over its steps "
+        "(terminal, uniform or discounted); a reward's credit_rule attribute overrides it.",
+    )
+    credit_gamma: float = Field(
+        default=0.99,
+        ge=0.0,
+        le=1.0,
+        description="TREADLE_CREDIT_GAMMA: discount of the discounted credit rule (step t of T gets "
+        "gamma**(T-1-t) * R); a reward's gamma attribute overrides it.",
+    )
+    safety_judge_values: str = Field(
+        default="-1,0,1",
+        description="TREADLE_SAFETY_JUDGE_VALUES: the safety_judge's reward when an event is unsafe (high severity, "
+        "or PII in a tool result), cautionary (only low/medium rules fired) and clean, comma-separated.",
+    )
+    llm_judge_url: str | None = Field(
+        default=None,
+        description="TREADLE_LLM_JUDGE_URL: HTTP endpoint the llm_judge posts each step to; required when "
+        "llm_judge is in TREADLE_PROCESSORS.",
+    )
+    llm_judge_timeout_s: float = Field(
+        default=10.0, gt=0, description="TREADLE_LLM_JUDGE_TIMEOUT_S: timeout of one llm_judge HTTP call."
+    )
+    llm_judge_concurrency: int = Field(
+        default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -51,7 +51,7 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def sql_app(store: ClickHouseStore) -> web.Application:
+def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.Application:
     async def post_sql(request: web.Request) -> web.Response:
         body = await request.json()
         try:
@@ -64,8 +64,13 @@ def sql_app(store: ClickHouseStore) -> web.Application:
         columns = orjson.dumps(list(result.column_names))
         return web.Response(body=b'{"columns":' + columns + b',"rows":' + rows + b"}", content_type="application/json")
 
+    async def get_metrics(request: web.Request) -> web.Response:
+        body = await sink.exposition() if sink is not None else b""
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
     app = web.Application()
     app.router.add_post("/sql", post_sql)
+    app.router.add_get("/metrics", get_metrics)
     return app
 
 
@@ -78,12 +83,13 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     intake = Intake(codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)))
     store = await asyncio.to_thread(open_store, settings)
     await asyncio.to_thread(apply_migrations, store)
-    runner = web.AppRunner(sql_app(store), access_log=None)
+    consumer = SinkConsumer(settings, catalog, codec, intake, store)
+    runner = web.AppRunner(sql_app(store, consumer), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", settings.sql_port).start()
+    await web.TCPSite(runner, settings.bind_host, settings.sql_port).start()
     SqlEndpoint(pid=os.getpid(), port=settings.sql_port).write(settings)
-    log.info("SQL endpoint on 127.0.0.1:%d; sinking to %s", settings.sql_port, store.database)
-    sink = asyncio.create_task(SinkConsumer(settings, catalog, codec, intake, store).run())
+    log.info("SQL and /metrics on %s:%d; sinking to %s", settings.bind_host, settings.sql_port, store.database)
+    sink = asyncio.create_task(consumer.run())
     try:
         while not sink.done():
             if parent_pid is not None and not pid_alive(parent_pid):

@@ -17,6 +17,8 @@ import time
 import faust
 
 from processors.app import Pipeline, build_pipeline
+from streams.gpu import RESOURCE_SAMPLE, GpuTelemetry
+from streams.metrics_page import add_metrics_page
 from streams.run_info import SqlEndpoint, WorkerInfo
 from streams.settings import Settings
 from topics.admin import ensure_topics
@@ -43,6 +45,13 @@ def build_worker(settings: Settings) -> Pipeline:
     # Writer schemas we don't ship (newer producers, other languages) are found in the registry.
     pipeline = build_pipeline(settings, codec=AvroCodec(lookup=registry.lookup))
     asyncio.run(prepare_cluster(settings, registry))
+    for processor in pipeline.processors:
+        refresh = getattr(processor, "refresh_policies", None)  # policies pushed before this start
+        if refresh is not None:
+            asyncio.run(refresh())
+    add_metrics_page(pipeline)
+    if settings.gpu_sample_seconds > 0:
+        add_gpu_telemetry(pipeline, GpuTelemetry(pipeline.metrics.registry))
 
     @pipeline.app.task
     async def refresh_schemas() -> None:
@@ -54,6 +63,21 @@ def build_worker(settings: Settings) -> Pipeline:
                 log.warning("could not refresh the schema registry: %s", exc)
 
     return pipeline
+
+
+def add_gpu_telemetry(pipeline: Pipeline, telemetry: GpuTelemetry) -> None:
+    @pipeline.app.task
+    async def sample_gpus() -> None:
+        if not telemetry.start():
+            return
+        key = telemetry.host.encode()
+        try:
+            while True:
+                for record in telemetry.sample():
+                    await pipeline.publish(RESOURCE_SAMPLE, record, key=key)
+                await asyncio.sleep(pipeline.settings.gpu_sample_seconds)
+        finally:
+            telemetry.stop()
 
 
 class SinkChild:
@@ -115,6 +139,8 @@ class TreadleWorker(faust.Worker):
         self.sink = sink
 
     async def on_startup_finished(self) -> None:
+        # The schema and policy readers assign a consumer every few seconds; aiokafka logs each assignment.
+        logging.getLogger("aiokafka.consumer.subscription_state").setLevel(logging.WARNING)
         await super().on_startup_finished()
         if self.sink is not None:
             await self.sink.wait_ready()

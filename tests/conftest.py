@@ -18,6 +18,8 @@ from streams.settings import REPO_ROOT, Settings
 from streams.worker_process import WorkerProcess
 
 _COUNTER = itertools.count()
+# Two pytest sessions on one machine (a helper's and CI's, say) need different ports: set this to e.g. 21000.
+PORT_BASE = int(os.environ.get("TREADLE_TEST_PORT_BASE", "31000"))
 
 
 @pytest.fixture(scope="session")
@@ -30,9 +32,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
         home=home,
         # Below Linux's ephemeral range (32768-60999): a client retrying a stopped broker can otherwise
         # self-connect from the broker's own port and leave a TIME_WAIT that blocks the next bind.
-        kafka_bootstrap_servers=os.environ.get("TREADLE_TEST_KAFKA", "127.0.0.1:31092"),
-        kafka_controller_port=31093,
-        valkey_port=31379,
+        kafka_bootstrap_servers=os.environ.get("TREADLE_TEST_KAFKA", f"127.0.0.1:{PORT_BASE + 92}"),
+        kafka_controller_port=PORT_BASE + 93,
+        valkey_port=PORT_BASE + 379,
         cache=REPO_ROOT / ".treadle" / "cache",
         partitions=3,
     )
@@ -56,8 +58,9 @@ def deployment(stack: Settings, tmp_path: Path) -> Settings:
             "home": tmp_path / "home",
             "topic_prefix": name,
             "app_id": name,
-            "web_port": 30000 + (os.getpid() % 400) * 2 + n % 2,
-            "sql_port": 30800 + (os.getpid() % 400) * 2 + n % 2,
+            # Both ranges sit below PORT_BASE, clear of the broker's and Valkey's ports above it.
+            "web_port": PORT_BASE - 1000 + (os.getpid() % 200) * 2 + n % 2,
+            "sql_port": PORT_BASE - 500 + (os.getpid() % 200) * 2 + n % 2,
             "sink_flush_seconds": 0.2,
         }
     )

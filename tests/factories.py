@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from streams.settings import Settings
+from streams.settings import REPO_ROOT, Settings
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
@@ -72,6 +75,7 @@ KIND_OF = {
     "treadle.events.ActionDispatched": "actions",
     "treadle.events.ToolResult": "tool_results",
     "treadle.events.RewardSignal": "rewards",
+    "treadle.events.LifecycleEvent": "lifecycle",
 }
 
 
@@ -120,3 +124,15 @@ def wait_for(
         time.sleep(interval)
     detail = explain() if explain is not None else f"last value: {last!r}"
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; {detail}")
+
+
+def treadle(settings: Settings, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`treadle ARGS` in a subprocess against `settings`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "streams.cli", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **settings.to_env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

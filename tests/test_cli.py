@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from streams.settings import REPO_ROOT, Settings
-from tests.factories import RawProducer, dispatch, wait_for
+from tests.factories import RawProducer, dispatch, treadle, wait_for
 from topics.ids import uuid7
-
-
-def treadle(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "streams.cli", *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, **settings.to_env(), "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
 
 REFUSED = [
     ("DROP TABLE transitions", "DROP"),

@@ -248,6 +248,8 @@ def lifecycle_record() -> dict[str, Any]:
         "done": False,
         "truncated": False,
         "reason": None,
+        "reward": None,
+        "steps": None,
     }
 
 

@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
+from streams.metrics import METRIC_FAMILIES
 from streams.settings import REPO_ROOT, Settings
 
 COMPOSE = REPO_ROOT / "compose.yaml"
@@ -23,24 +24,8 @@ PROMETHEUS = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA = REPO_ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "treadle.json"
 
-# The worker's Prometheus metrics, name -> type. Must match streams/metrics.py (the worker's metrics module):
-# a metric renamed there must be renamed here and in deploy/grafana/dashboards/treadle.json.
-METRICS: dict[str, str] = {
-    "treadle_events_in_total": "counter",
-    "treadle_events_out_total": "counter",
-    "treadle_dead_letters_total": "counter",
-    "treadle_late_rewards_total": "counter",
-    "treadle_open_steps": "gauge",
-    "treadle_watermark_lag_seconds": "gauge",
-    "treadle_reward_join_latency_seconds": "histogram",
-    "treadle_sink_batch_rows": "histogram",
-    "treadle_sink_batch_seconds": "histogram",
-    "treadle_consumer_lag": "gauge",
-    "treadle_producer_errors_total": "counter",
-    "treadle_gpu_utilization_ratio": "gauge",
-    "treadle_gpu_memory_used_bytes": "gauge",
-    "treadle_gpu_power_watts": "gauge",
-}
+# The worker's Prometheus metrics, name -> type: the dashboard must show each and nothing else.
+METRICS = METRIC_FAMILIES
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 KAFKA_SERVICES = ("kafka-1", "kafka-2", "kafka-3")
 TREADLE_SERVICES = ("init", "sink", "worker")
@@ -186,12 +171,13 @@ def _scrape_job(config: dict[str, Any], job: str) -> dict[str, Any]:
 
 def test_prometheus_scrapes_every_worker_and_the_sink(services: dict[str, dict[str, Any]]) -> None:
     config = yaml.safe_load(PROMETHEUS.read_text())
-    for job, service in (("treadle-worker", "worker"), ("treadle-sink", "sink")):
+    for job, service, port in (("treadle-worker", "worker", "web_port"), ("treadle-sink", "sink", "sql_port")):
         scrape = _scrape_job(config, job)
         assert scrape.get("metrics_path", "/metrics") == "/metrics"
         (sd,) = scrape["dns_sd_configs"]  # one A record per replica: `--scale worker=N` needs no edit
         assert sd["names"] == [service] and sd["type"] == "A"
-        assert sd["port"] == Settings.from_env(_env(services[service])).web_port
+        settings = Settings.from_env(_env(services[service]))
+        assert sd["port"] == getattr(settings, port) and settings.bind_host == "0.0.0.0"
     mounts = services["prometheus"]["volumes"]
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from processors.evaluation import metric_record
 from sinks import migrations
 from sinks.clickhouse import (
     ClickHouseStore,
@@ -36,7 +38,7 @@ from topics.catalog import TopicCatalog
 T0 = 1_760_000_000_000_000  # 2025-10-09, in microseconds
 MONTH = 31 * 24 * 3600 * 1_000_000
 VIEWS = ["raw_events_latest", "transitions_latest", "reward_components_latest", "woven_rewards_latest"]
-VIEWS += ["dead_letters_latest"]
+VIEWS += ["dead_letters_latest", "evaluation_metrics_latest"]
 _DATABASES = itertools.count()
 
 
@@ -197,6 +199,11 @@ def dead_letter(offset: int = 17) -> dict[str, Any]:
     }
 
 
+def evaluation_metric(rule: str = "email", value: float = 1.0, evidence: str | None = "j***@example.com"):
+    metric = "pii_leak" if rule == "any_pii" else "safety_alert"
+    return metric_record("safety", metric, rule, value, "medium", tool_result(), evidence)
+
+
 INPUT_RECORDS = {
     "actions": action(),
     "tool_results": tool_result(),
@@ -221,7 +228,7 @@ def chdb_settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings
 def store(chdb_settings: Settings) -> Iterator[ClickHouseStore]:
     """A store on a fresh database of the module's chDB path, with every migration applied."""
     with ClickHouseStore.open(chdb_settings, database=f"t{next(_DATABASES)}") as opened:
-        assert migrations.apply_migrations(opened) == [1, 2, 3, 4, 5]
+        assert migrations.apply_migrations(opened) == [m.version for m in migrations.load_migrations()]
         yield opened
 
 
@@ -248,22 +255,24 @@ def test_migrations_apply_are_idempotent_roll_back_and_reapply(bare_store: Click
     db = bare_store.database
     apply = lambda: bare_store.call_sync(lambda c: migrations.apply_pending(c, db))  # noqa: E731
     all_versions = [m.version for m in migrations.load_migrations()]
+    later = [v for v in all_versions if v > 2]  # other engineers' migrations (0007+) may be on disk too
     tables = {"raw_events", "transitions", "reward_components", "woven_rewards", "dead_letters"}
+    tables |= {"evaluation_metrics"}
 
-    assert apply() == all_versions == [1, 2, 3, 4, 5]
-    assert tables_in(bare_store) == tables | set(VIEWS) | {"schema_migrations"}
+    assert apply() == all_versions and all_versions[:6] == [1, 2, 3, 4, 5, 6]
+    assert tables_in(bare_store) >= tables | set(VIEWS) | {"schema_migrations"}
     assert apply() == []
 
-    assert bare_store.call_sync(lambda c: migrations.rollback(c, 2, db)) == [5, 4, 3]
+    assert bare_store.call_sync(lambda c: migrations.rollback(c, 2, db)) == later[::-1]
     assert tables_in(bare_store) == {"raw_events", "raw_events_latest", "transitions", "transitions_latest"} | {
         "schema_migrations"
     }
-    assert [m.version for m in bare_store.call_sync(lambda c: migrations.pending(c, db))] == [3, 4, 5]
+    assert [m.version for m in bare_store.call_sync(lambda c: migrations.pending(c, db))] == later
     assert bare_store.call_sync(lambda c: migrations.rollback(c, 0, db)) == [2, 1]
     assert tables_in(bare_store) == {"schema_migrations"}
 
     assert bare_store.call_sync(lambda c: migrations.apply_pending(c, db, target=3)) == [1, 2, 3]
-    assert apply() == [4, 5]
+    assert apply() == later[1:]
     assert bare_store.call_sync(lambda c: migrations.applied_checksums(c, db)).keys() == set(all_versions)
 
 
@@ -295,8 +304,23 @@ def test_every_up_script_is_reversible_and_uses_the_database_placeholder() -> No
         up, down = migration.up_statements("db_x"), migration.down_statements("db_x")
         assert up and down, migration.label
         assert all("db_x." in statement for statement in up + down), migration.label
-        assert all(s.startswith(("CREATE TABLE IF NOT EXISTS", "CREATE OR REPLACE VIEW")) for s in up)
-        assert all(s.startswith(("DROP TABLE IF EXISTS", "DROP VIEW IF EXISTS")) for s in down)
+        # Re-runnable statements only; a backfill INSERT must be idempotent too (eval_tool_stats_hourly's set state).
+        rerunnable = ("CREATE TABLE IF NOT EXISTS", "CREATE OR REPLACE VIEW", "CREATE MATERIALIZED VIEW IF NOT EXISTS")
+        assert all(s.startswith((*rerunnable, "INSERT INTO", "ALTER TABLE")) for s in up), migration.label
+        assert all(_alters_only_if_needed(s, "ADD COLUMN", "IF NOT EXISTS") for s in up), migration.label
+        # A down may restore an earlier view (CREATE OR REPLACE) before it drops the columns an up added.
+        undo = ("DROP TABLE IF EXISTS", "DROP VIEW IF EXISTS", "ALTER TABLE", "CREATE OR REPLACE VIEW")
+        assert all(s.startswith(undo) for s in down), migration.label
+        assert all(_alters_only_if_needed(s, "DROP COLUMN", "IF EXISTS") for s in down), migration.label
+
+
+def _alters_only_if_needed(statement: str, action: str, guard: str) -> bool:
+    """An ALTER TABLE is re-runnable when it only does `action` and every one of them carries `guard`."""
+    if not statement.startswith("ALTER TABLE"):
+        return True
+    body = re.sub(r"^ALTER TABLE\s+\S+\s+", "", statement)
+    clauses = re.split(r",\s*(?=(?:ADD|DROP|MODIFY|RENAME|CLEAR|COMMENT|MATERIALIZE|UPDATE|DELETE)\s)", body)
+    return all(re.match(rf"{action} {guard} ", clause) for clause in clauses)
 
 
 def test_table_columns_match_the_ddl(store: ClickHouseStore) -> None:
@@ -365,10 +389,19 @@ def test_derived_records_map_to_their_tables() -> None:
     [(table, row)] = rows_for("woven_rewards", woven(2))
     assert table == "woven_rewards" and set(row) == set(TABLE_COLUMNS["woven_rewards"])
     assert row["components.event_id"] == ["r-0", "r-1"] and row["step"] == 0
+    # Records written before the explanation fields existed map to the schema's defaults.
+    assert row["components.contribution"] == [0.0, 0.0] and row["components.adjusted_value"] == [None, None]
+    assert row["components.imputed"] == [False, False] and row["components.evidence"] == [None, None]
+    assert (row["reward_policy_version"], row["rules_fired"], row["conflicts.a_event_id"]) == ("", [], [])
 
     [(table, row)] = rows_for("dead_letters", dead_letter())
     assert table == "dead_letters" and set(row) == set(TABLE_COLUMNS["dead_letters"])
     assert row["value"] == b"\x00\xffgarbage\xc3" and row["event_id"] is None
+
+    [(table, row)] = rows_for("evaluation_metrics", evaluation_metric())
+    assert table == "evaluation_metrics" and set(row) == set(TABLE_COLUMNS["evaluation_metrics"])
+    assert row["metric_id"] == "safety:safety_alert:email:0199c9a0-0001-7000-8000-000000000001"
+    assert row["event_time"] == T0 + 850_000 and row["policy_version"] == "pi-2025-10-01"
 
     with pytest.raises(ValueError, match="no ClickHouse table takes records of topic kind 'schemas'"):
         rows_for("schemas", {})
@@ -396,6 +429,8 @@ def all_records() -> list[tuple[str, dict[str, Any]]]:
         ("woven_rewards", woven(2)),
         ("dead_letters", dead_letter(17)),
         ("dead_letters", dead_letter(18)),
+        ("evaluation_metrics", evaluation_metric()),
+        ("evaluation_metrics", evaluation_metric("any_pii", 1.0, "email")),
     ]
 
 
@@ -406,6 +441,7 @@ def view_snapshot(store: ClickHouseStore) -> dict[str, list[dict[str, Any]]]:
         "reward_components_latest": "session_id, logical_event_id, event_id",
         "woven_rewards_latest": "session_id, logical_event_id",
         "dead_letters_latest": "dead_letter_id",
+        "evaluation_metrics_latest": "metric_id",
     }
     return {view: rows_of(store, f"SELECT * FROM {view} ORDER BY {key}") for view, key in order.items()}
 
@@ -415,11 +451,12 @@ async def test_replayed_records_do_not_change_the_views(store: ClickHouseStore) 
     for kind, record in all_records():
         sink.add(kind, record)
     expected = {"raw_events": 6, "reward_components": 2, "transitions": 3, "woven_rewards": 2, "dead_letters": 2}
-    assert sink.pending_rows == expected and sink.pending == 15
+    expected["evaluation_metrics"] = 2
+    assert sink.pending_rows == expected and sink.pending == 17
     assert await sink.flush() == expected
     assert sink.pending_rows == {}
     first = view_snapshot(store)
-    assert [len(first[view]) for view in VIEWS] == [6, 2, 2, 1, 2]
+    assert [len(first[view]) for view in VIEWS] == [6, 2, 2, 1, 2, 2]
 
     for kind, record in reversed(all_records()):  # a replay after a crash, in other batches and another order
         await sink.put(kind, record)
@@ -490,6 +527,11 @@ async def test_records_round_trip_through_the_avro_codec(store: ClickHouseStore)
         "SELECT source, value, evidence FROM reward_components_latest WHERE logical_event_id = 'l-1' ORDER BY event_id",
     )
     assert [row["value"] for row in why] == [-0.3, -0.3] and why[0]["evidence"].startswith("answer ignored")
+    alerts = rows_of(store, "SELECT metric, rule, value, evidence FROM evaluation_metrics_latest ORDER BY metric")
+    assert alerts == [
+        {"metric": "pii_leak", "rule": "any_pii", "value": 1.0, "evidence": "email"},
+        {"metric": "safety_alert", "rule": "email", "value": 1.0, "evidence": "j***@example.com"},
+    ]
 
 
 async def test_sink_flushes_full_batches_and_counts_rows(store: ClickHouseStore) -> None:
@@ -632,3 +674,23 @@ def test_database_names_are_plain_identifiers() -> None:
         checked_identifier("treadle; DROP DATABASE x")
     with pytest.raises(ValueError):
         database_name(Settings(clickhouse_url="http://ch:8123/a-b"))
+
+
+async def test_gpu_samples_join_the_tool_calls_they_overlap(store: ClickHouseStore) -> None:
+    """resource_samples + gpu_utilization_during_tool_calls: the mean of exactly the samples inside each call."""
+    from streams.gpu import GpuReading, sample_record
+
+    sink = ClickHouseSink(store)
+    await sink.put("transitions", transition(2, step=0, lid="l-0", dispatched_at=T0))  # runs T0 .. T0+120.5 ms
+    await sink.put("transitions", transition(2, step=1, lid="l-1", dispatched_at=T0 + 10_000_000))
+    gpu = GpuReading(0, "GPU-1", "NVIDIA H200", 0, 2**30, 2**37, 500_000)
+    inside = [(T0 + 10_000, 20), (T0 + 60_000, 40), (T0 + 120_000, 90)]
+    outside = [(T0 - 1, 100), (T0 + 5_000_000, 100)]
+    for at, percent in inside + outside + inside[:1]:  # the repeated sample is a replay: one row
+        reading = GpuReading(**{**gpu.__dict__, "utilization_percent": percent})
+        await sink.put("resource_samples", sample_record("host-a", reading, at))
+    await sink.flush()
+    rows = rows_of(store, "SELECT step, samples, mean_utilization FROM gpu_utilization_during_tool_calls")
+    assert rows == [{"step": 0, "samples": 3, "mean_utilization": pytest.approx(0.5)}]
+    [count] = rows_of(store, "SELECT count() AS n, max(power_watts) AS w FROM resource_samples_latest")
+    assert count == {"n": 5, "w": 500.0}

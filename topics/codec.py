@@ -20,6 +20,7 @@ from typing import Any
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro._read_common import SchemaResolutionError
 
+from topics.avro_writer import RecordWriter, UnsupportedSchema, compile_writer
 from topics.schemas import AvroSchema, SchemaSet
 
 MAGIC = b"\xc3\x01"
@@ -52,13 +53,35 @@ class AvroCodec:
     ) -> None:
         self.schemas = schemas or SchemaSet.load()
         self._lookup = lookup
+        self._writers: dict[str, RecordWriter | None] = {}  # generated writers by schema name; None: fastavro only
 
     def encode(self, schema_name: str, record: dict[str, Any]) -> bytes:
+        """Header + Avro binary; the generated writer first, fastavro for what it does not take (same bytes)."""
+        try:
+            writer = self._writers[schema_name]
+        except KeyError:
+            writer = self._writers[schema_name] = self._compile(schema_name)
+        if writer is not None:
+            try:
+                return writer(record)
+            except Exception:
+                pass  # not the plain, exactly typed values it takes: fastavro encodes them or raises its own error
+        return self.encode_fastavro(schema_name, record)
+
+    def encode_fastavro(self, schema_name: str, record: dict[str, Any]) -> bytes:
+        """The reference encoding (fastavro.schemaless_writer); the generated writers must match it byte for byte."""
         schema = self.schemas[schema_name]
         buf = io.BytesIO()
         buf.write(HEADER.pack(MAGIC, schema.fingerprint))
         schemaless_writer(buf, schema.parsed, record)
         return buf.getvalue()
+
+    def _compile(self, schema_name: str) -> RecordWriter | None:
+        schema = self.schemas[schema_name]  # KeyError for an unknown name, before anything is cached
+        try:
+            return compile_writer(schema.json, HEADER.pack(MAGIC, schema.fingerprint))
+        except UnsupportedSchema:
+            return None
 
     def writer_schema(self, data: bytes | None) -> AvroSchema:
         """The schema `data` was written with, or DecodeError."""

@@ -5,18 +5,24 @@ from __future__ import annotations
 import os
 import time
 
+_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}  # a random hex digit -> variant 10xx
+_last_ms: tuple[int, str] = (-1, "")  # (unix ms, its "tttttttt-tttt-7" prefix): many ids share a millisecond
+
 
 def uuid7(unix_ms: int | None = None) -> str:
-    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, version 7, 74 random bits."""
-    ms = int(time.time() * 1000) if unix_ms is None else unix_ms
-    rand = int.from_bytes(os.urandom(10), "big")
-    value = (ms & ((1 << 48) - 1)) << 80
-    value |= 0x7 << 76
-    value |= ((rand >> 62) & 0xFFF) << 64
-    value |= 0b10 << 62
-    value |= rand & ((1 << 62) - 1)
-    h = f"{value:032x}"  # formatting directly is ~3x faster than str(uuid.UUID(int=...)) on the SDK's hot path
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    """A UUIDv7 (RFC 9562): 48-bit Unix milliseconds, version 7, 74 random bits from os.urandom.
+
+    Built as text from hex slices, not via int or uuid.UUID: about half the cost, on the SDK's hot path.
+    """
+    global _last_ms
+    ms = time.time_ns() // 1_000_000 if unix_ms is None else unix_ms
+    last, prefix = _last_ms
+    if ms != last:
+        t = f"{ms & 0xFFFFFFFFFFFF:012x}"
+        prefix = f"{t[:8]}-{t[8:]}-7"
+        _last_ms = (ms, prefix)
+    r = os.urandom(10).hex()  # 20 hex digits: 3 + 2 bits of r[4] + 3 + 12 of them are used
+    return f"{prefix}{r[1:4]}-{_VARIANT[r[4]]}{r[5:8]}-{r[8:]}"
 
 
 def now_micros() -> int:

@@ -11,9 +11,9 @@ import json
 import logging
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka import AIOKafkaProducer
 
+from topics.compacted import read_to_end
 from topics.compatibility import Compatibility, compatibility_errors
 from topics.schemas import AvroSchema, SchemaSet
 
@@ -105,36 +105,8 @@ class SchemaRegistry:
 
     async def load(self) -> None:
         """Read the whole topic (it is compacted and small) into memory."""
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            partitions = [TopicPartition(self.topic, p) for p in await self._partition_ids()]
-            if not partitions:
-                return
-            consumer.assign(partitions)
-            await consumer.seek_to_beginning(*partitions)
-            end = await consumer.end_offsets(partitions)
-            remaining = {tp for tp in partitions if end[tp] > 0}
-            while remaining:
-                batches = await consumer.getmany(timeout_ms=1000)
-                for tp, messages in batches.items():
-                    for message in messages:
-                        if message.value is not None:
-                            self.versions.add(RegisteredSchema.from_bytes(message.value))
-                        if message.offset + 1 >= end[tp]:
-                            remaining.discard(tp)
-        finally:
-            await consumer.stop()
-
-    async def _partition_ids(self) -> list[int]:
-        # A consumer only knows partitions of topics it subscribed to, so ask the cluster.
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
-        await admin.start()
-        try:
-            described = await admin.describe_topics([self.topic])
-        finally:
-            await admin.close()
-        return sorted(p["partition"] for d in described if d["error_code"] == 0 for p in d["partitions"])
+        for _, value in await read_to_end(self.bootstrap_servers, self.topic):
+            self.versions.add(RegisteredSchema.from_bytes(value))
 
     async def register(self, schemas: list[AvroSchema], load: bool = True) -> list[RegisteredSchema]:
         """Register each schema not yet known; all are checked before any is published.

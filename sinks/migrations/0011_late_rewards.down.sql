@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.late_rewards_latest;
+DROP TABLE IF EXISTS {database}.late_rewards;

@@ -1,0 +1,190 @@
+"""The SDK's events appended to per-partition record batches, handed to aiokafka with `send_batch`.
+
+aiokafka's `send()` costs about as much per event as everything else the SDK does: a coroutine,
+metadata and partition checks, a future per message and a done callback per future. Appending to a
+`BatchBuilder` costs a fraction of that, and a batch needs one future and one callback. Batches go
+through the producer's own accumulator and sender, so acks, retries, idempotence and linger stay
+the producer's. What `send()` guarantees holds here too:
+
+- order: a partition's batches are handed over one at a time, in append order, and the idempotent
+  producer keeps that order in the log (one batch in flight per partition, retried in place);
+- partition: `default_partition` is murmur2(key) like Kafka's default partitioner (Java, aiokafka, Faust);
+- a record above the producer's max_request_size is refused at once (MessageSizeTooLargeError);
+- backpressure: when a partition's batch is full and the one before it is not yet taken by the
+  producer, the caller waits, as `send()` waits for a full batch to drain;
+- one outcome per event: each event's owner is called back with its batch's result or error.
+
+One batcher serves every stream of one producer, so events of many sessions share batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, ProducerClosed
+from aiokafka.partitioner import murmur2
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+__all__ = ["Batch", "DeliveryCallback", "PartitionBatcher", "default_partition", "key_hash"]
+
+DeliveryCallback = Callable[[int, BaseException | None], None]  # (token, error or None)
+AIOKAFKA_MAX_REQUEST_SIZE = 1_048_576  # aiokafka's default, for a producer that does not say
+_SIZE_SLACK = 256  # above any record overhead estimate_size_in_bytes adds: below it, no need to compute it
+
+
+def key_hash(key: bytes) -> int:
+    """murmur2 of the key with the sign bit cleared: the part of the default partition that a caller may cache."""
+    return murmur2(key) & 0x7FFFFFFF
+
+
+def default_partition(key: bytes, partitions: int) -> int:
+    """Kafka's default partition for a key (Java clients, aiokafka's DefaultPartitioner, Faust agree)."""
+    return key_hash(key) % partitions
+
+
+class Batch:
+    """One partition's records being gathered; `done` resolves after every owner heard the outcome."""
+
+    __slots__ = ("builder", "done", "entries")
+
+    def __init__(self, builder: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.builder = builder
+        self.entries: list[tuple[DeliveryCallback, int]] = []
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def finish(self, error: BaseException | None) -> None:
+        if self.done.done():
+            return
+        for callback, token in self.entries:
+            callback(token, error)
+        self.done.set_result(None)
+
+
+class _Partition:
+    """A partition's open batch, the task handing its batches over, and who waits for room."""
+
+    __slots__ = ("open", "partition", "room", "task", "topic")
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.open: Batch | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.room: asyncio.Future[None] | None = None
+
+
+_BATCHERS: weakref.WeakValueDictionary[int, PartitionBatcher] = weakref.WeakValueDictionary()
+
+
+class PartitionBatcher:
+    """Record batches per (topic, partition) for one started producer, on the producer's event loop."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self._loop = asyncio.get_running_loop()
+        self._partitions: dict[tuple[str, int], _Partition] = {}
+        # aiokafka keeps it private; send() refuses records above it, so the batcher must too
+        self.max_request_size = int(getattr(producer, "_max_request_size", AIOKAFKA_MAX_REQUEST_SIZE))
+        self._closed: BaseException | None = None
+
+    @classmethod
+    def for_producer(cls, producer: AIOKafkaProducer) -> PartitionBatcher:
+        """The batcher every stream on `producer` shares (kept while some stream holds it)."""
+        batcher = _BATCHERS.get(id(producer))
+        if batcher is None or batcher.producer is not producer or batcher._closed is not None:
+            batcher = cls(producer)
+            _BATCHERS[id(producer)] = batcher
+        return batcher
+
+    def append(
+        self, topic: str, partition: int, key: bytes, value: bytes, owner: DeliveryCallback, token: int
+    ) -> Batch | None:
+        """Add a record to its partition's open batch; None when that batch is full (`await room(...)`, retry).
+
+        The batch is handed to the producer by a task that runs after the caller yields, so records
+        appended in one go share batches. Raises MessageSizeTooLargeError at once, like `send()`.
+        """
+        if self._closed is not None:
+            raise self._closed
+        if len(key) + len(value) + _SIZE_SLACK > self.max_request_size:
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, [])
+            if size > self.max_request_size:
+                raise MessageSizeTooLargeError(
+                    f"The message is {size} bytes when serialized which is larger than the maximum request size "
+                    "you have configured with the max_request_size configuration"
+                )
+        state = self._partitions.get((topic, partition))
+        if state is None:
+            state = self._partitions[(topic, partition)] = _Partition(topic, partition)
+        batch = state.open
+        if batch is None:
+            batch = state.open = Batch(self.producer.create_batch(), self._loop)
+        if state.task is None:
+            state.task = self._loop.create_task(self._hand_over(state))
+        if batch.builder.append(timestamp=None, key=key, value=value) is None:
+            return None  # full (the builder closed itself): the task takes it next
+        batch.entries.append((owner, token))
+        return batch
+
+    async def room(self, topic: str, partition: int) -> None:
+        """Wait until the partition's full batch is taken by the producer (then `append` has room again)."""
+        state = self._partitions[(topic, partition)]
+        if state.open is None or self._closed is not None:
+            return
+        if state.room is None:
+            state.room = self._loop.create_future()
+        await asyncio.shield(state.room)  # a cancelled caller must not cancel the others' wait
+
+    async def _hand_over(self, state: _Partition) -> None:
+        """Hand the partition's batches to the producer one at a time, so their order is the append order."""
+        try:
+            while (batch := state.open) is not None:
+                state.open = None
+                self._wake(state)
+                await self._submit(state, batch)
+        finally:
+            state.task = None
+            self._wake(state)
+
+    @staticmethod
+    def _wake(state: _Partition) -> None:
+        if state.room is not None:
+            if not state.room.done():
+                state.room.set_result(None)
+            state.room = None
+
+    async def _submit(self, state: _Partition, batch: Batch) -> None:
+        try:
+            # waits while the partition's previous batch is still in the producer's queue (aiokafka's add_batch)
+            delivery = await self.producer.send_batch(batch.builder, state.topic, partition=state.partition)
+        except asyncio.CancelledError:
+            batch.finish(ProducerClosed("the stream stopped before this batch reached the producer"))
+            raise
+        except Exception as exc:
+            batch.finish(exc)
+            return
+        delivery.add_done_callback(lambda future: batch.finish(_error(future)))
+
+    def abort(self, error: KafkaError) -> None:
+        """Fail every batch not yet handed over and stop the hand-over tasks (the producer is being stopped)."""
+        self._closed = error
+        for state in self._partitions.values():
+            if state.task is not None:
+                state.task.cancel()
+            if state.open is not None:
+                state.open.finish(error)
+                state.open = None
+            self._wake(state)
+        if _BATCHERS.get(id(self.producer)) is self:
+            del _BATCHERS[id(self.producer)]
+
+
+def _error(future: asyncio.Future[Any]) -> BaseException | None:
+    """The outcome of a delivery future, retrieved (so asyncio never logs it as unretrieved)."""
+    if future.cancelled():
+        return asyncio.CancelledError("delivery cancelled")
+    return future.exception()

@@ -1,0 +1,51 @@
+"""The README's example processor plugin, plus broken variants; test_plugins loads them through entry points."""
+
+from __future__ import annotations
+
+from processors.evaluation import EVALUATION_METRIC, metric_record
+
+TOOL_RESULT = "treadle.events.ToolResult"
+
+
+class LongOutput:
+    """Flags tool outputs over 10,000 characters."""
+
+    name = "long_output"  # the entry point's name; TREADLE_PROCESSORS lists it
+    kind = "evaluator"  # core, reward_source or evaluator
+    inputs = frozenset({"treadle.events.ToolResult"})
+
+    def setup(self, app, settings) -> None:
+        """Create Faust tables here if the processor keeps state."""
+
+    async def process(self, events, ctx) -> None:
+        for event in events:
+            value = float(len(event.record["output"]) > 10_000)
+            metric = metric_record(self.name, "long_output", "over_10k", value, "low", event.record)
+            await ctx.publish(EVALUATION_METRIC, metric, key=event.session_key)
+
+
+class Misnamed(LongOutput):
+    name = "something_else"
+
+
+class NoKind:
+    name = "no_kind"
+    inputs = frozenset({TOOL_RESULT})
+
+    def setup(self, app, settings) -> None: ...
+
+    async def process(self, events, ctx) -> None: ...
+
+
+class WrongKind(LongOutput):
+    name = "wrong_kind"
+    kind = "judge"
+
+
+class ReadsOutputs(LongOutput):
+    name = "reads_outputs"
+    inputs = frozenset({"treadle.derived.Transition"})
+
+
+def not_a_class() -> None:
+    """An entry point must name a class."""

@@ -1,0 +1,112 @@
+"""After a workload, the worker's /metrics has the counters the workload implies, with exact values."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+from collections import Counter
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+
+from streams.metrics import METRIC_FAMILIES, GpuMetrics, SinkMetrics, WorkerMetrics
+from streams.settings import Settings
+from tests.factories import KIND_OF, RawProducer, wait_for
+from tests.test_pipeline import REWARD, complete, make_workload, produce
+from topics.catalog import TopicCatalog
+
+GARBAGE = b"\x00\x01 not avro"
+
+
+def scrape(settings: Settings) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the worker's /metrics, keyed by (sample name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{settings.web_port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+async def records_on(settings: Settings, kind: str) -> int:
+    """Records on a topic: the worker is its only producer, so this is what it sent."""
+    topic = TopicCatalog(settings)[kind].name
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        ends = await consumer.end_offsets(tps)
+        starts = await consumer.beginning_offsets(tps)
+        return sum(ends[tp] - starts[tp] for tp in tps)
+    finally:
+        await consumer.stop()
+
+
+async def send_garbage(settings: Settings) -> None:
+    async with RawProducer(settings) as producer:
+        await producer.send_bytes("actions", GARBAGE)
+        await producer.flush()
+
+
+def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
+    expected = make_workload(random.Random(5), sessions=4, steps=5)
+    events = [e for step in expected for e in step.events]
+    worker = worker_factory().start()
+    worker.wait_ready()
+    asyncio.run(produce(deployment, events))
+    asyncio.run(send_garbage(deployment))
+    wait_for(complete(deployment, expected), 90, "all transitions")
+
+    catalog = TopicCatalog(deployment)
+    sent = Counter((catalog[KIND_OF[name]].name, name) for name, _ in events)
+    distinct_rewards = {r["envelope"]["event_id"] for name, r in events if name == REWARD}
+
+    def settled() -> dict | None:
+        samples = scrape(deployment)
+        raw_rows = total(samples, "treadle_sink_batch_rows_sum", table="raw_events")
+        return samples if raw_rows == len(events) else None
+
+    samples = wait_for(settled, 60, "the sink's raw_events inserts in /metrics")
+    for (topic, schema), n in sent.items():
+        assert total(samples, "treadle_events_in_total", topic=topic, type=schema) == n, (topic, schema)
+    actions = catalog["actions"].name
+    assert total(samples, "treadle_events_in_total", topic=actions, type="unknown") == 1  # the garbage
+    assert total(samples, "treadle_dead_letters_total", stage="DECODE", schema="unknown") == 1
+    dead_letters = catalog["dead_letters"].name
+    assert total(samples, "treadle_events_out_total", topic=dead_letters) == 1
+    transitions = catalog["transitions"].name
+    assert total(samples, "treadle_events_out_total", topic=transitions) == asyncio.run(
+        records_on(deployment, "transitions")
+    )
+    assert total(samples, "treadle_reward_join_latency_seconds_count") == len(distinct_rewards)
+    assert total(samples, "treadle_producer_errors_total") == 0
+    lags = {dict(ls)["topic"]: v for (n, ls), v in samples.items() if n == "treadle_consumer_lag"
+            and dict(ls)["group"] == deployment.app_id}  # fmt: skip
+    assert set(lags) >= {actions, catalog["rewards"].name} and not any(lags.values())
+    watermark_lags = [v for (n, _), v in samples.items() if n == "treadle_watermark_lag_seconds"]
+    assert watermark_lags and all(lag > 0 for lag in watermark_lags)  # the workload's event times are in 2025
+    assert total(samples, "treadle_open_steps") == 0  # the default policy requires no source
+    assert total(samples, "treadle_sink_batch_rows_count", table="transitions") >= 1
+    assert total(samples, "treadle_sink_batch_seconds_count", table="transitions") >= 1
+
+
+def test_registries_are_separate_and_families_match_the_catalogue() -> None:
+    """Two workers in one process never share series; every declared family is registered by someone."""
+    a, b = WorkerMetrics(), WorkerMetrics()
+    a.events_in.labels("t", "x").inc()
+    assert b"treadle_events_in_total{" not in b.exposition()
+    sink = SinkMetrics()
+    GpuMetrics(sink.registry)
+    names = set()
+    for registry in (a.registry, sink.registry):
+        for family in registry.collect():
+            suffix = "_total" if family.type == "counter" else ""
+            names.add(family.name + suffix)
+    assert names == set(METRIC_FAMILIES)

@@ -1,0 +1,241 @@
+"""Reward weaving without Kafka: policies, watermarks, windows, lateness, orphans, imputation, order independence."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from processors.reward_policy import PolicyBook, PolicyError, RewardPolicy, RewardSpec, parse_policy
+from processors.step_assembler import DISPATCH, LATE, REWARD, TRANSITION, WOVEN, StepAssembler, StepState
+from processors.watermarks import Watermarks
+from tests.factories import dispatch, reward
+
+S = 1_000_000  # microseconds per second
+T0 = 1_760_000_000 * S
+
+POLICY = RewardPolicy(
+    version="p1",
+    specs=(
+        RewardSpec(source="judge", window_s=10, grace_s=5, required=True),
+        RewardSpec(source="human", window_s=100, required=True, imputation="default", default_value=0.0),
+        RewardSpec(source="metric", window_s=50, weight=2.0),
+    ),
+    orphan_wait_s=30,
+)
+
+
+def at(record: dict, seconds: float) -> dict:
+    record["envelope"]["event_time"] = T0 + int(seconds * S)
+    return record
+
+
+def signal(lid: str, source: str, value: float, seconds: float, seq: int, confidence: float = 1.0) -> dict:
+    return at(reward("s-1", lid, seq, value, source, confidence), seconds)
+
+
+def assembler(policy: RewardPolicy = POLICY) -> StepAssembler:
+    return StepAssembler(policies=PolicyBook([policy]))
+
+
+def rows(a: StepAssembler, state: StepState) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {WOVEN: [], TRANSITION: [], LATE: []}
+    for name, record in a.outputs(state):
+        out[name].append(record)
+    return out
+
+
+def test_no_woven_reward_until_every_required_source_arrived() -> None:
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 2, 2))
+    out = rows(a, state)
+    assert out[WOVEN] == [] and out[TRANSITION][0]["reward_status"] == "pending"
+    a.fold(state, REWARD, signal("l-1", "human", 0.5, 60, 3))
+    [woven] = rows(a, state)[WOVEN]
+    assert woven["status"] == "complete" and woven["revision"] == 2 and woven["value"] == pytest.approx(0.75)
+    assert woven["reward_policy_version"] == "p1"
+    contributions = {c["source"]: c["contribution"] for c in woven["components"]}
+    assert contributions == {"judge": pytest.approx(0.5), "human": pytest.approx(0.25)}
+
+
+def test_close_without_a_required_source_imputes_and_a_later_arrival_in_grace_completes() -> None:
+    policy = RewardPolicy(version="p2", specs=(POLICY.specs[0], POLICY.specs[1]))
+    a, state = assembler(policy), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 2, 2))
+    assert a.weave(state).next_window_us == T0 + 10 * S  # the judge's window ends first
+    assert a.pass_windows(state, T0 + 50 * S) is True and a.pass_windows(state, T0 + 50 * S) is False
+    assert state.passed == ["judge/*"] and rows(a, state)[WOVEN] == []  # still waiting for human
+    assert a.weave(state).next_window_us == T0 + 100 * S
+    assert a.pass_windows(state, T0 + 100 * S) is True
+    [woven] = rows(a, state)[WOVEN]
+    assert woven["status"] == "imputed" and woven["value"] == pytest.approx(0.5) and woven["revision"] == 1
+    a.fold(state, REWARD, signal("l-1", "human", 0.0, 99, 3))
+    [woven] = rows(a, state)[WOVEN]
+    assert woven["status"] == "complete" and woven["revision"] == 2
+
+
+def test_close_without_imputation_is_partial() -> None:
+    human = RewardSpec(source="human", window_s=100, required=True)
+    policy = RewardPolicy(version="p3", specs=(POLICY.specs[0], human))
+    a, state = assembler(policy), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(state, REWARD, signal("l-1", "judge", -1.0, 1, 2))
+    a.pass_windows(state, T0 + 100 * S)
+    [woven] = rows(a, state)[WOVEN]
+    assert woven["status"] == "partial" and woven["value"] == -1.0
+
+
+def test_a_reward_after_window_and_grace_is_late_and_changes_nothing() -> None:
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(state, REWARD, signal("l-1", "human", 1.0, 5, 2))
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 15, 3))  # deadline 10 + 5: on time, exactly
+    before = rows(a, state)
+    a.fold(state, REWARD, signal("l-1", "judge", -1.0, 15.5, 4))  # half a second after grace
+    after = rows(a, state)
+    [late] = after[LATE]
+    assert late["reason"] == "AFTER_GRACE" and late["lateness_ms"] == 500 and late["revision"] == 1
+    assert late["deadline"] == T0 + 15 * S
+    assert after[WOVEN] == before[WOVEN] and after[TRANSITION] == before[TRANSITION]
+
+
+def test_an_orphan_is_reported_and_resolved_if_its_dispatch_comes_after_all() -> None:
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, REWARD, signal("l-1", "metric", 0.3, 1, 1))
+    [(event_id, r)] = state.rewards.items()
+    assert a.orphan_deadline_us(r) == T0 + 31 * S
+    orphan = a.orphan(state, event_id)
+    assert orphan["reason"] == "ORPHAN" and orphan["lateness_ms"] == 30_000 and state.orphans == [event_id]
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 2), 0))
+    resolved = [r for r in rows(a, state)[LATE] if r["event_id"] == event_id]
+    assert [r["reason"] for r in resolved] == ["ORPHAN_RESOLVED"] and resolved[0]["revision"] == 2
+
+
+def test_state_round_trips_through_bytes() -> None:
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 2, 2))
+    state.partition = 2
+    a.pass_windows(state, T0 + 1000 * S)
+    again = StepState.from_bytes(state.to_bytes())
+    assert again == state and rows(a, again) == rows(a, state)
+
+
+# --- order independence ------------------------------------------------------------------------------------------
+
+
+@st.composite
+def step_events(draw: st.DrawFn) -> list[tuple[str, dict]]:
+    events = [(DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))]
+    seq = 1
+    for source in draw(st.lists(st.sampled_from(["judge", "human", "metric", "other"]), max_size=6)):
+        seq += 1
+        delay = draw(st.floats(min_value=-5, max_value=200, allow_nan=False))
+        value = draw(st.floats(min_value=-1, max_value=1, allow_nan=False))
+        events.append((REWARD, signal("l-1", source, round(value, 3), round(delay, 3), seq, 0.5)))
+    return events + draw(st.lists(st.sampled_from(events), max_size=3))  # duplicates
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_events(), st.randoms(use_true_random=False), st.lists(st.floats(0, 300), max_size=4))
+def test_final_rows_depend_on_the_set_of_events_not_on_order_or_watermark_timing(
+    events: list[tuple[str, dict]], rnd: random.Random, watermarks: list[float]
+) -> None:
+    """Any arrival order, with the watermark passing windows at any points in between, ends in the same rows."""
+
+    def final(order: list[tuple[str, dict]], passes: dict[int, float]) -> dict:
+        a, state = assembler(), StepState("l-1")
+        revisions = []
+        for i, (name, record) in enumerate(order):
+            a.fold(state, name, record)
+            if i in passes:
+                a.pass_windows(state, T0 + int(passes[i] * S))
+            revisions += [r["revision"] for r in rows(a, state)[TRANSITION]]
+        a.pass_windows(state, T0 + 1000 * S)  # eventually the watermark passes every window
+        out = rows(a, state)
+        assert revisions == sorted(revisions) and all(r <= out[TRANSITION][0]["revision"] for r in revisions)
+        return out
+
+    shuffled = list(events)
+    rnd.shuffle(shuffled)
+    passes = {rnd.randrange(len(events)): w for w in watermarks}
+    assert final(events, {}) == final(shuffled, passes)
+
+
+# --- watermarks -------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_slowest_topic_holds_the_watermark_until_it_idles_then_processing_time_moves_it() -> None:
+    clock = Clock()
+    marks = Watermarks(out_of_orderness_s=2, idle_timeout_s=10, clock=clock)
+    assert marks.watermark(0) is None
+    marks.observe(0, "actions", 100 * S)
+    marks.observe(0, "rewards", 50 * S)
+    assert marks.advance(0) == 48 * S  # min over topics, minus the out-of-orderness
+    clock.now += 5
+    marks.observe(0, "actions", 200 * S)
+    assert marks.advance(0) == 48 * S  # rewards is still active (seen 5 s ago)
+    clock.now += 6  # rewards silent for 11 s: it stops holding back
+    assert marks.advance(0) == 198 * S
+    clock.now += 20  # every topic idle: processing time minus the idle timeout
+    assert marks.advance(0) == int((clock.now - 10) * S)
+    assert marks.lag_s(0) == pytest.approx(10)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 10**9), st.floats(0, 30)), max_size=40))
+def test_watermarks_never_go_back(observations: list[tuple[str, int, float]]) -> None:
+    clock = Clock()
+    marks = Watermarks(out_of_orderness_s=1, idle_timeout_s=10, clock=clock)
+    last = None
+    for topic, event_us, wait in observations:
+        clock.now += wait
+        marks.observe(3, topic, event_us)
+        current = marks.advance(3)
+        assert last is None or current >= last
+        last = current
+
+
+# --- policies ----------------------------------------------------------------------------------------------------
+
+
+def test_a_step_uses_the_policy_effective_at_its_dispatch_event_time() -> None:
+    old = RewardPolicy(version="v1", effective_from_us=0)
+    new = RewardPolicy(version="v2", effective_from_us=T0 + 60 * S)
+    book = PolicyBook([old, new])
+    assert book.for_dispatch(T0).version == "v1" and book.for_dispatch(T0 + 60 * S).version == "v2"
+    with pytest.raises(PolicyError, match="already exists"):
+        book.add(RewardPolicy(version="v2", default_window_s=1))
+
+
+def test_policy_files_explain_their_mistakes() -> None:
+    policy = parse_policy("version: y1\nspecs:\n  - {source: judge, required: true, window_s: 5}\n", "p.yaml")
+    assert policy.spec_for("judge", "any").required and not policy.spec_for("other", "x").required
+    with pytest.raises(PolicyError, match=r"p.json: specs.0.window_s"):
+        parse_policy('{"specs": [{"source": "judge", "window_s": -1}]}', "p.json")
+    with pytest.raises(PolicyError, match="default_value"):
+        parse_policy('{"specs": [{"source": "judge", "imputation": "default"}]}', "p.json")
+    with pytest.raises(PolicyError, match="more than one spec for judge/\\*"):
+        parse_policy('{"specs": [{"source": "judge"}, {"source": "judge"}]}', "p.json")
+
+
+def test_the_readme_policy_example_is_a_valid_policy() -> None:
+    from streams.settings import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("## Reward weaving", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    text = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
+    policy = parse_policy(text, "README.md")
+    assert policy.version == "prod-3" and [s.key for s in policy.required] == ["llm_judge/*", "human/*"]
+    assert [r.name for r in policy.fusion.rules] == ["compliance-veto", "clamp"]

@@ -1,0 +1,274 @@
+"""Reward weaving end to end (real broker, worker, chDB) against an oracle of the documented semantics.
+
+The oracle below is written from README "Reward weaving", not from the worker's code: for each step, the
+rewards in time (event_time <= dispatch + window + grace of their source), the late ones, the required
+sources missing, the imputed values, the fused value (weight x confidence weighted mean), the status and
+the revisions; rewards of steps never dispatched are orphans. It is compared with transitions_latest,
+woven_rewards_latest and late_rewards_latest once the worker has closed every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streams.settings import Settings
+from streams.sql_client import run_sql
+from tests.factories import RawProducer, dispatch, reward, wait_for
+from topics.ids import uuid7
+
+S = 1_000_000
+DISPATCH, REWARD = "treadle.events.ActionDispatched", "treadle.events.RewardSignal"
+
+POLICY = {
+    "version": "weave-test-1",
+    "default_window_s": 1000,
+    "orphan_wait_s": 30,
+    "specs": [
+        {"source": "judge", "window_s": 10, "grace_s": 5, "required": True},
+        {"source": "human", "window_s": 100, "required": True, "imputation": "default", "default_value": 0.0},
+        {"source": "metric", "window_s": 50, "weight": 2.0},
+    ],
+}
+SPECS = {s["source"]: s for s in POLICY["specs"]}
+DELAYS = [-2.0, 1.0, 8.0, 14.0, 15.0, 16.0, 40.0, 60.0, 99.0, 101.0, 250.0, 1500.0]
+
+
+@dataclass
+class Step:
+    session: str
+    index: int
+    lid: str
+    dispatched_us: int | None  # None: never dispatched, its rewards are orphans
+    rewards: list[dict] = field(default_factory=list)
+
+
+def window(source: str) -> tuple[float, float, float]:
+    spec = SPECS.get(source, {})
+    return spec.get("window_s", POLICY["default_window_s"]), spec.get("grace_s", 0.0), spec.get("weight", 1.0)
+
+
+def oracle(steps: list[Step]) -> tuple[dict, dict]:
+    """(expected per (session, step): transition + woven fields, expected late rows by event_id)."""
+    expected, late = {}, {}
+    for step in steps:
+        distinct = {r["envelope"]["event_id"]: r for r in step.rewards}
+        if step.dispatched_us is None:
+            for event_id in distinct:
+                late[event_id] = ("ORPHAN", POLICY["orphan_wait_s"] * 1000)
+            continue
+        on_time = []
+        for event_id, r in distinct.items():
+            win, grace, weight = window(r["source"])
+            lateness = r["envelope"]["event_time"] - (step.dispatched_us + int((win + grace) * S))
+            if lateness > 0:
+                late[event_id] = ("AFTER_GRACE", lateness // 1000)
+            else:
+                on_time.append((r, weight))
+        present = {r["source"] for r, _ in on_time}
+        required = [s for s in POLICY["specs"] if s.get("required")]
+        missing = [s for s in required if s["source"] not in present]
+        parts = [(r["value"], w * r["confidence"]) for r, w in on_time]
+        parts += [(s["default_value"], s.get("weight", 1.0)) for s in missing if s.get("imputation") == "default"]
+        if parts:
+            total = sum(w for _, w in parts)
+            value = sum(v * w for v, w in parts) / total if total > 0 else sum(v for v, _ in parts) / len(parts)
+        else:
+            value = None
+        if not missing:
+            status = "complete"
+        elif any(s.get("imputation") == "default" for s in missing):
+            status = "imputed"
+        else:
+            status = "partial"
+        expected[(step.session, step.index)] = {
+            "revision": 1 + len(on_time) + len(required),  # dispatch, rewards in time, every required window passed
+            "reward": value,
+            "reward_status": status,
+            "reward_revision": len(on_time) if value is not None else 0,
+        }
+    return expected, late
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[list[Step], list[tuple[str, dict]]]:
+    base = int(time.time() * S) - 3 * 86_400 * S  # event times days ago: idle watermarks pass them all
+    steps, events = [], []
+    for s in range(draw(st.integers(2, 3))):
+        session = f"w{s}-{uuid7()[-10:]}"
+        seq = 0
+        for k in range(draw(st.integers(1, 4))):
+            lid = uuid7()
+            dispatched = draw(st.integers(0, 9)) > 0  # about one step in ten is never dispatched
+            at = base + (s * 1000 + k * 20) * S
+            step = Step(session, k, lid, at if dispatched else None)
+            if dispatched:
+                record = dispatch(session, lid, k, seq := seq + 1)
+                record["envelope"]["event_time"] = at
+                events.append((DISPATCH, record))
+            for source in draw(st.lists(st.sampled_from(["judge", "human", "metric", "other"]), max_size=4)):
+                value = draw(st.sampled_from([-1.0, -0.5, 0.0, 0.25, 1.0]))
+                record = reward(session, lid, seq := seq + 1, value, source, draw(st.sampled_from([0.5, 1.0])))
+                record["envelope"]["event_time"] = at + int(draw(st.sampled_from(DELAYS)) * S)
+                step.rewards.append(record)
+                events.append((REWARD, record))
+                if draw(st.integers(0, 5)) == 0:
+                    events.append((REWARD, record))  # a duplicate
+            steps.append(step)
+    order = draw(st.permutations(events))
+    return steps, list(order)
+
+
+def weaving_settings(deployment: Settings, tmp: Path, policy_doc: dict = POLICY) -> Settings:
+    policy = tmp / "policy.json"
+    policy.write_text(json.dumps(policy_doc))
+    return deployment.model_copy(
+        update={"reward_policy": policy, "idle_timeout_s": 2.0, "watermark_lag_s": 1.0, "window_tick_s": 0.5}
+    )
+
+
+async def produce(settings: Settings, events: list[tuple[str, dict]]) -> None:
+    async with RawProducer(settings) as producer:
+        for name, record in events:
+            await producer.send(name, record)
+        await producer.flush()
+
+
+def actual(settings: Settings) -> tuple[dict, dict]:
+    _, rows = run_sql(
+        settings,
+        "SELECT session_id, step, revision, reward, reward_status, reward_revision FROM transitions_latest",
+    )
+    steps = {(r[0], r[1]): {"revision": r[2], "reward": r[3], "reward_status": r[4], "reward_revision": r[5]}
+             for r in rows}  # fmt: skip
+    _, rows = run_sql(settings, "SELECT event_id, reason, lateness_ms FROM late_rewards_latest")
+    late = {r[0]: (r[1], r[2]) for r in rows if r[1] != "ORPHAN_RESOLVED"}  # resolved orphans were woven
+    return steps, late
+
+
+def matches(settings: Settings, steps: list[Step]):
+    want_steps, want_late = oracle(steps)
+
+    def check() -> bool:
+        got_steps, got_late = actual(settings)
+        if got_late != want_late or set(got_steps) != set(want_steps):
+            return False
+        for key, want in want_steps.items():
+            got = got_steps[key]
+            if want["reward"] is None or got["reward"] is None:
+                if want["reward"] != got["reward"]:
+                    return False
+            elif abs(want["reward"] - got["reward"]) > 1e-9:
+                return False
+            if {k: v for k, v in got.items() if k != "reward"} != {k: v for k, v in want.items() if k != "reward"}:
+                return False
+        return True
+
+    def explain() -> str:
+        got_steps, got_late = actual(settings)
+        wrong = {k: (want_steps.get(k), got_steps.get(k)) for k in set(want_steps) | set(got_steps)
+                 if want_steps.get(k) != got_steps.get(k)}  # fmt: skip
+        late_diff = {k: (want_late.get(k), got_late.get(k)) for k in set(want_late) | set(got_late)
+                     if want_late.get(k) != got_late.get(k)}  # fmt: skip
+        return f"steps (want, got): {wrong}\nlate (want, got): {late_diff}"
+
+    return check, explain
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(workload=workloads())
+def test_woven_rewards_and_late_rewards_match_the_oracle(
+    workload: tuple[list[Step], list[tuple[str, dict]]], deployment: Settings, worker_factory, tmp_path_factory
+) -> None:
+    steps, events = workload
+    settings_ = weaving_settings(deployment, tmp_path_factory.mktemp("policy"))
+    settings_ = settings_.model_copy(update={"topic_prefix": f"{deployment.topic_prefix}{uuid7()[-6:]}"})
+    settings_ = settings_.model_copy(update={"app_id": settings_.topic_prefix, "home": settings_.home / "h"})
+    from streams.worker import prepare_cluster
+
+    asyncio.run(prepare_cluster(settings_))
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    asyncio.run(produce(settings_, events))
+    check, explain = matches(settings_, steps)
+    wait_for(check, 120, "woven and late rewards as the oracle says", explain=explain)
+    worker.stop()
+
+
+def test_kill_minus_nine_mid_window_ends_in_the_oracle_rows(deployment: Settings, worker_factory, tmp_path) -> None:
+    settings_ = weaving_settings(deployment, tmp_path)
+    steps, events = fixed_workload(random.Random(7))
+    first, second = events[: len(events) // 2], events[len(events) // 2 :]
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    asyncio.run(produce(settings_, first))
+    wait_for(lambda: actual(settings_)[0], 60, "some transitions before the crash")
+    worker.kill()
+    asyncio.run(produce(settings_, second))
+    restarted = worker_factory(settings_).start()
+    restarted.wait_ready()
+    check, explain = matches(settings_, steps)
+    wait_for(check, 120, "the oracle's rows after the restart", explain=explain)
+
+
+def fixed_workload(rng: random.Random) -> tuple[list[Step], list[tuple[str, dict]]]:
+    """A deterministic workload for the crash test: every kind of reward, in a shuffled order."""
+    base = int(time.time() * S) - 3 * 86_400 * S
+    steps, events = [], []
+    for s in range(4):
+        session = f"k{s}-{uuid7()[-10:]}"
+        seq = 0
+        for k in range(5):
+            lid = uuid7()
+            at = base + (s * 1000 + k * 20) * S
+            dispatched = (s, k) != (1, 2)
+            step = Step(session, k, lid, at if dispatched else None)
+            if dispatched:
+                record = dispatch(session, lid, k, seq := seq + 1)
+                record["envelope"]["event_time"] = at
+                events.append((DISPATCH, record))
+            for source in rng.sample(["judge", "human", "metric", "other"], rng.randint(0 if dispatched else 1, 4)):
+                record = reward(session, lid, seq := seq + 1, rng.choice([-1.0, 0.5, 1.0]), source, 1.0)
+                record["envelope"]["event_time"] = at + int(rng.choice(DELAYS) * S)
+                step.rewards.append(record)
+                events.append((REWARD, record))
+            steps.append(step)
+    rng.shuffle(events)
+    return steps, events
+
+
+def test_with_no_new_input_an_open_step_closes_within_idle_timeout_plus_window(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Event times are now; the required human source never answers; nothing else arrives."""
+    short = {**POLICY, "specs": [{**SPECS["judge"], "window_s": 2}, {**SPECS["human"], "window_s": 6}]}
+    settings_ = weaving_settings(deployment, tmp_path, short)
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    session, lid = f"idle-{uuid7()[-10:]}", uuid7()
+    now = int(time.time() * S)
+    record = dispatch(session, lid, 0, 1)
+    record["envelope"]["event_time"] = now
+    judged = reward(session, lid, 2, 1.0, "judge", 1.0)
+    judged["envelope"]["event_time"] = now + S
+    asyncio.run(produce(settings_, [(DISPATCH, record), (REWARD, judged)]))
+    sent = time.monotonic()
+
+    def closed() -> dict | None:
+        _, rows = run_sql(settings_, f"SELECT reward_status, reward FROM transitions_latest WHERE step = 0 "
+                                     f"AND session_id = '{session}'")  # fmt: skip
+        return {"status": rows[0][0], "reward": rows[0][1]} if rows and rows[0][0] != "pending" else None
+
+    row = wait_for(closed, 60, "the step to close with no new input", interval=0.2)
+    took = time.monotonic() - sent
+    # The human window (6 s) ends in event time; with no input the watermark follows processing time minus the
+    # idle timeout (2 s). Slack on top: a window tick (0.5 s), a sink flush (0.2 s) and a busy 2-core machine.
+    assert row == {"status": "imputed", "reward": 0.5}
+    assert 6 - 1 <= took <= 6 + settings_.idle_timeout_s + 4, took
