@@ -29,8 +29,10 @@ from streams.local import (
 )
 from streams.local.process import pid_alive
 from streams.settings import REPO_ROOT, Settings
+from tests.conftest import PORT_BASE
 
-KAFKA_PORT, CONTROLLER_PORT, VALKEY_PORT = 29092, 29093, 26379
+# Its own stack, apart from the session's (conftest.PORT_BASE + 92/93/379): 700 above those.
+KAFKA_PORT, CONTROLLER_PORT, VALKEY_PORT = PORT_BASE + 792, PORT_BASE + 793, PORT_BASE + 779
 SHARED_CACHE = REPO_ROOT / ".treadle" / "cache"
 BOOTSTRAP = f"127.0.0.1:{KAFKA_PORT}"
 
