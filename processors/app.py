@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,11 +72,15 @@ class Pipeline:
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
     _crash: asyncio.Future[Any] | None = None
     _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
+    _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         topic = self.outputs[schema_name]
         await self.send(topic, key, self.codec.encode(schema_name, record))
-        self.metrics.events_out.labels(topic, schema_name).inc()
+        counter = self._out_counters.get(schema_name)
+        if counter is None:
+            counter = self._out_counters[schema_name] = self.metrics.events_out.labels(topic, schema_name)
+        counter.inc()
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
         # Straight to Faust's producer (no channel machinery). Faust flushes the producer before it
@@ -179,6 +184,7 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
     """Decode and validate each event once, dead-letter the bad ones, hand the rest to the processors."""
     valid: list[InputEvent] = []
     metrics = pipeline.metrics
+    read_in: Counter[tuple[str, str]] = Counter()
     for event in events:
         source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
         expected = pipeline.next_offsets.get((source.topic, source.partition))
@@ -190,15 +196,17 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
         pipeline.next_offsets[(source.topic, source.partition)] = source.offset + 1
         read = pipeline.intake.read(source)
         if isinstance(read, Accepted):
-            metrics.events_in.labels(source.topic, read.schema_name).inc()
+            read_in[(source.topic, read.schema_name)] += 1
             valid.append(InputEvent(read.schema_name, read.record, source, event))
             continue
         letter = read.dead_letter
         schema = letter.get("schema_name") or "unknown"
-        metrics.events_in.labels(source.topic, schema).inc()
+        read_in[(source.topic, schema)] += 1
         metrics.dead_letters.labels(letter["stage"], schema).inc()
         log.warning("dead letter from %s[%d]@%d: %s", *_where(source), letter["reason"])
         await pipeline.publish(DEAD_LETTER, letter, key=source.key)
+    for (topic, schema), n in read_in.items():
+        metrics.events_in.labels(topic, schema).inc(n)
     for processor in pipeline.processors:
         mine = [e for e in valid if e.schema_name in processor.inputs]
         if not mine:

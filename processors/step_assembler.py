@@ -117,6 +117,15 @@ class StepAssembler:
 
     def __init__(self, policies: PolicyBook | None = None) -> None:
         self.policies = policies or PolicyBook()
+        self._specs: dict[tuple[str, str, str], RewardSpec] = {}  # (policy version, source, name) -> spec
+
+    def spec_for(self, policy: RewardPolicy, source: str, name: str) -> RewardSpec:
+        """policy.spec_for, remembered: policy versions are immutable and this runs for every reward."""
+        key = (policy.version, source, name)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = policy.spec_for(source, name)
+        return spec
 
     # --- folding -------------------------------------------------------------------------------------------------
 
@@ -160,7 +169,7 @@ class StepAssembler:
         dispatched = state.dispatched_us
         on_time, late = [], []
         for event_id, reward in sorted(state.rewards.items()):
-            spec = policy.spec_for(reward["source"], reward["name"])
+            spec = self.spec_for(policy, reward["source"], reward["name"])
             if dispatched is None:
                 on_time.append((event_id, reward, spec))  # undecided until the dispatch comes
                 continue
@@ -183,11 +192,16 @@ class StepAssembler:
         if state.dispatch is None:
             return False
         dispatched = state.dispatch["envelope"]["event_time"]
+        due = [
+            spec
+            for spec in self.policy_of(state).required
+            if spec.key not in state.passed and dispatched + _us(spec.window_s) <= watermark_us
+        ]
+        if not due:
+            return False
         weave = self.weave(state)
         changed = False
-        for spec in self.policy_of(state).required:
-            if spec.key in state.passed or dispatched + _us(spec.window_s) > watermark_us:
-                continue
+        for spec in due:
             state.passed.append(spec.key)
             changed = True
             if spec not in weave.missing:
@@ -200,6 +214,13 @@ class StepAssembler:
         return changed
 
     # --- rows ----------------------------------------------------------------------------------------------------
+
+    def next_window_us(self, state: StepState) -> int | None:
+        """End of the next required window the watermark has not passed (as `weave`, without weaving)."""
+        if state.dispatch is None:
+            return None
+        ends = [_us(s.window_s) for s in self.policy_of(state).required if s.key not in state.passed]
+        return state.dispatch["envelope"]["event_time"] + min(ends) if ends else None
 
     def outputs(self, state: StepState) -> list[tuple[str, dict[str, Any]]]:
         """The step's current rows: late rewards, then its woven reward (once due), then its transition."""

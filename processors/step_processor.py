@@ -202,7 +202,7 @@ class StepProcessor:
                 if event_id not in state.orphans:
                     heapq.heappush(heap, (self.assembler.orphan_deadline_us(reward), state.logical_event_id, event_id))
             return
-        next_window = self.assembler.weave(state).next_window_us
+        next_window = self.assembler.next_window_us(state)
         if next_window is not None:
             heapq.heappush(heap, (next_window, state.logical_event_id, CLOSE))
 
@@ -230,12 +230,13 @@ class StepProcessor:
                 ctx.metrics.late_rewards.labels(record["source"]).inc()
 
     def _not_woven(self, state: StepState) -> set[str]:
-        late = {event_id for event_id, *_ in self.assembler.weave(state).late} if state.dispatch else set()
-        return late | set(state.orphans)
+        if state.dispatch is None or not state.rewards:
+            return set(state.orphans)
+        return {event_id for event_id, *_ in self.assembler.weave(state).late} | set(state.orphans)
 
     def _remember(self, reward: dict[str, Any]) -> None:
         policy = self.assembler.policies.for_dispatch(reward["envelope"]["event_time"])
-        spec = policy.spec_for(reward["source"], reward["name"])
+        spec = self.assembler.spec_for(policy, reward["source"], reward["name"])
         values = self._recent.get(spec.key)
         if values is None:
             values = self._recent[spec.key] = deque(maxlen=spec.rolling_count)
