@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ def _draw(chart: Chart, rows: Sequence[dict[str, Any]], bucket_seconds: int, pat
     axes.set_ylabel(chart.ylabel)
     axes.grid(True, alpha=0.3)
     if rows:
-        _plot(axes, chart, rows)
+        _plot(axes, chart, rows, bucket_seconds)
     else:
         axes.text(0.5, 0.5, "no data in this range", ha="center", va="center", transform=axes.transAxes)
         axes.plot([], [], label="no data")
@@ -84,9 +84,13 @@ def _draw(chart: Chart, rows: Sequence[dict[str, Any]], bucket_seconds: int, pat
     figure.savefig(path, format="png")
 
 
-def _plot(axes: Axes, chart: Chart, rows: Sequence[dict[str, Any]]) -> None:
+def _plot(axes: Axes, chart: Chart, rows: Sequence[dict[str, Any]], bucket_seconds: int) -> None:
     versions = sorted({str(row["policy_version"]) for row in rows})
     colors = matplotlib.colormaps["tab10"]
+    buckets = sorted({datetime.fromisoformat(row["bucket"].replace("Z", "+00:00")) for row in rows})
+    if len(buckets) == 1:  # matplotlib would span years around a single date; show a few buckets instead
+        step = timedelta(seconds=bucket_seconds)
+        axes.set_xlim(buckets[0] - 2 * step, buckets[0] + 3 * step)
     for index, version in enumerate(versions):
         mine = [row for row in rows if row["policy_version"] == version]
         times = [datetime.fromisoformat(row["bucket"].replace("Z", "+00:00")) for row in mine]
