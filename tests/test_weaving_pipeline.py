@@ -93,6 +93,7 @@ def oracle(steps: list[Step]) -> tuple[dict, dict]:
             "reward": value,
             "reward_status": status,
             "reward_revision": len(on_time) if value is not None else 0,
+            "woven_agrees": True,
         }
     return expected, late
 
@@ -142,12 +143,20 @@ async def produce(settings: Settings, events: list[tuple[str, dict]]) -> None:
 
 
 def actual(settings: Settings) -> tuple[dict, dict]:
+    """Per step: the transition's fields and its latest woven reward's; and the late rewards' verdicts."""
     _, rows = run_sql(
         settings,
-        "SELECT session_id, step, revision, reward, reward_status, reward_revision FROM transitions_latest",
+        "SELECT t.session_id, t.step, t.revision, t.reward, t.reward_status, t.reward_revision, "
+        "w.value, w.status, w.revision FROM transitions_latest AS t LEFT JOIN woven_rewards_latest AS w "
+        "ON w.logical_event_id = t.logical_event_id",
     )
-    steps = {(r[0], r[1]): {"revision": r[2], "reward": r[3], "reward_status": r[4], "reward_revision": r[5]}
-             for r in rows}  # fmt: skip
+    steps = {}
+    for r in rows:
+        steps[(r[0], r[1])] = {"revision": r[2], "reward": r[3], "reward_status": r[4], "reward_revision": r[5]}
+        # the woven reward table must say what the transition carries (value, status, revision)
+        woven = (r[6], r[7], r[8]) if r[7] else (None, None, 0)  # no woven row: the join gives defaults
+        carried = (r[3], r[4] if r[3] is not None else None, r[5])
+        steps[(r[0], r[1])]["woven_agrees"] = woven == carried
     _, rows = run_sql(settings, "SELECT event_id, reason, lateness_ms FROM late_rewards_latest")
     late = {r[0]: (r[1], r[2]) for r in rows if r[1] != "ORPHAN_RESOLVED"}  # resolved orphans were woven
     return steps, late
