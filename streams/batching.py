@@ -49,10 +49,11 @@ def default_partition(key: bytes, partitions: int) -> int:
 class Batch:
     """One partition's records being gathered; `done` resolves after every owner heard the outcome."""
 
-    __slots__ = ("builder", "done", "entries")
+    __slots__ = ("builder", "done", "entries", "full")
 
     def __init__(self, builder: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.builder = builder
+        self.full = False
         self.entries: list[tuple[DeliveryCallback, int]] = []
         self.done: asyncio.Future[None] = loop.create_future()
 
@@ -109,7 +110,7 @@ class PartitionBatcher:
         appended in one go share batches. Raises MessageSizeTooLargeError at once, like `send()`.
         """
         if self._closed is not None:
-            raise self._closed
+            raise ProducerClosed(str(self._closed))
         if len(key) + len(value) + _SIZE_SLACK > self.max_request_size:
             size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, [])
             if size > self.max_request_size:
@@ -126,14 +127,15 @@ class PartitionBatcher:
         if state.task is None:
             state.task = self._loop.create_task(self._hand_over(state))
         if batch.builder.append(timestamp=None, key=key, value=value) is None:
-            return None  # full (the builder closed itself): the task takes it next
+            batch.full = True  # the builder closed itself; the task takes it next
+            return None
         batch.entries.append((owner, token))
         return batch
 
     async def room(self, topic: str, partition: int) -> None:
         """Wait until the partition's full batch is taken by the producer (then `append` has room again)."""
         state = self._partitions[(topic, partition)]
-        if state.open is None or self._closed is not None:
+        if state.open is None or not state.open.full or self._closed is not None:
             return
         if state.room is None:
             state.room = self._loop.create_future()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import socket
 import time
@@ -16,6 +17,9 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import murmur2
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from streams.local.kafka import LocalKafka
 from streams.producer import create_producer
@@ -32,6 +36,7 @@ from streams.sdk import (
     StepRef,
     StreamError,
     ToolStatus,
+    _params_json,
 )
 from streams.settings import REPO_ROOT, Settings
 from topics.admin import ensure_topics
@@ -287,6 +292,10 @@ async def test_invalid_params_raise_before_anything_is_sent(
             await stream.dispatch("anything", {"when": object()})
         with pytest.raises(InvalidParamsError, match="JSON-serializable"):
             await stream.dispatch("anything", {"x": float("nan")})
+        cyclic: dict[str, Any] = {}
+        cyclic["self"] = cyclic
+        with pytest.raises(InvalidParamsError, match="JSON-serializable"):
+            await stream.dispatch("anything", cyclic)
         assert (stream.next_step, stream.next_seq, stream.pending) == (0, 0, 0)
         ref = await stream.dispatch("search", {"q": "ok"})
         assert (ref.step, stream.next_seq) == (0, 1)
@@ -294,6 +303,20 @@ async def test_invalid_params_raise_before_anything_is_sent(
     reads = await read_back(settings, codec, {session_id})
     assert [(a.record["step"], a.env["seq"]) for a in reads["actions"]] == [(0, 0)]
     assert sum(len(rs) for rs in reads.values()) == 1
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@hypothesis_settings(max_examples=500, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=5))
+def test_params_json_is_compact_json_dumps(params: dict[str, Any]) -> None:
+    """The dispatch's params_json (json's C encoder, built once) is exactly what json.dumps writes."""
+    assert _params_json(params) == json.dumps(params, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 async def test_other_bad_arguments_raise_before_anything_is_sent(settings: Settings, codec: AvroCodec) -> None:
