@@ -136,3 +136,22 @@ def treadle(settings: Settings, *args: str, timeout: float = 180) -> subprocess.
         text=True,
         timeout=timeout,
     )
+
+
+def step_components(settings: Settings, session: str, source: str) -> dict[str, dict[str, Any]]:
+    """Per step of `session`: transition revision, reward, and `source`'s components {event_id: (value, confidence,
+    evidence)}, from transitions_latest."""
+    from streams.sql_client import run_sql
+
+    _, rows = run_sql(
+        settings,
+        "SELECT logical_event_id, revision, reward, reward_components.event_id, reward_components.source, "
+        "reward_components.value, reward_components.confidence, reward_components.evidence "
+        f"FROM transitions_latest WHERE session_id = '{session}'",
+    )
+    out = {}
+    for lid, revision, reward, ids, sources, values, confidences, evidence in rows:
+        parts = zip(ids, sources, values, confidences, evidence, strict=True)
+        out[lid] = {"revision": revision, "reward": reward,
+                    "components": {i: (v, c, e) for i, s, v, c, e in parts if s == source}}  # fmt: skip
+    return out

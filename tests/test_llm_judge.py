@@ -38,7 +38,7 @@ from processors.llm_judge import (
 from processors.plugins import PluginError, ProcessorRegistry
 from streams.settings import REPO_ROOT, Settings
 from streams.sql_client import run_sql
-from tests.factories import dispatch, result, wait_for
+from tests.factories import dispatch, result, step_components, wait_for
 from tests.test_pipeline import produce
 from topics.codec import AvroCodec
 from topics.ids import uuid7
@@ -342,17 +342,8 @@ async def test_the_processor_judges_each_step_once_and_dead_letters_what_fails()
 
 def judge_components(settings: Settings, session: str) -> dict[str, dict[str, Any]]:
     """Per step: its transition revision and its llm_judge components {event_id: (value, confidence, evidence)}."""
-    _, rows = run_sql(
-        settings,
-        "SELECT logical_event_id, revision, reward_components.event_id, reward_components.source, "
-        "reward_components.value, reward_components.confidence, reward_components.evidence "
-        f"FROM transitions_latest WHERE session_id = '{session}'",
-    )
-    out = {}
-    for lid, revision, ids, sources, values, confidences, evidence in rows:
-        parts = zip(ids, sources, values, confidences, evidence, strict=True)
-        out[lid] = {"revision": revision, "judge": {i: (v, c, e) for i, s, v, c, e in parts if s == "llm_judge"}}
-    return out
+    rows = step_components(settings, session, "llm_judge")
+    return {lid: {"revision": row["revision"], "judge": row["components"]} for lid, row in rows.items()}
 
 
 def dead_letters(settings: Settings, session: str) -> list[dict[str, Any]]:

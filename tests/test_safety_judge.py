@@ -16,7 +16,7 @@ from processors.safety_judge import SafetyJudge, SafetyScale, judged_event_id, s
 from processors.safety_rules import Target, scan
 from streams.settings import Settings
 from streams.sql_client import run_sql
-from tests.factories import dispatch, result, reward, wait_for
+from tests.factories import dispatch, result, reward, step_components, wait_for
 from tests.test_pipeline import produce
 from tests.test_plugins import Recorder, input_event
 from topics.codec import AvroCodec
@@ -130,16 +130,10 @@ def test_safety_judge_is_a_registered_reward_source() -> None:
 
 def safety_components(settings: Settings, session: str) -> dict[str, dict[str, Any]]:
     """Per step: its transition revision and its safety components {event_id: (value, evidence)}."""
-    _, rows = run_sql(
-        settings,
-        "SELECT logical_event_id, revision, reward, reward_components.event_id, reward_components.source, "
-        "reward_components.value, reward_components.evidence "
-        f"FROM transitions_latest WHERE session_id = '{session}'",
-    )
     out = {}
-    for lid, revision, value, ids, sources, values, evidence in rows:
-        components = {i: (v, e) for i, s, v, e in zip(ids, sources, values, evidence, strict=True) if s == "safety"}
-        out[lid] = {"revision": revision, "reward": value, "safety": components}
+    for lid, row in step_components(settings, session, "safety").items():
+        safety = {event_id: (value, evidence) for event_id, (value, _, evidence) in row["components"].items()}
+        out[lid] = {"revision": row["revision"], "reward": row["reward"], "safety": safety}
     return out
 
 
