@@ -185,9 +185,7 @@ class StepAssembler:
         next_window = dispatched + min(ends) if ends and dispatched is not None else None
         return Weave(on_time, late, missing, waiting, next_window)
 
-    def pass_windows(
-        self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None
-    ) -> bool:
+    def pass_windows(self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None) -> bool:
         """Mark the required windows the watermark passed; a source missing then gets its imputed value."""
         if state.dispatch is None:
             return False

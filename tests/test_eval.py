@@ -591,8 +591,6 @@ def records(settings: Settings, sql: str) -> list[dict[str, Any]]:
     return [dict(zip(columns, row, strict=True)) for row in rows]
 
 
-
-
 # --- the run ------------------------------------------------------------------------------------------------------
 
 
