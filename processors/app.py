@@ -35,6 +35,7 @@ OUTPUT_TOPICS = {
     "treadle.derived.Transition": "transitions",
     "treadle.derived.WovenReward": "woven_rewards",
     DEAD_LETTER: "dead_letters",
+    "treadle.derived.StateVersion": "state_versions",
     "treadle.derived.ResourceSample": "resource_samples",
     "treadle.derived.LateReward": "late_rewards",
     # Reward sources and credit assignment are processors whose output is input: a RewardSignal they

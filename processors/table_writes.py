@@ -33,3 +33,25 @@ async def delete(table: Any, key: bytes, event: InputEvent, ctx: ProcessingConte
     ctx.bind(event)
     table.data.pop(key, None)
     await ctx.send(table.changelog_topic.get_topic_name(), key, None, partition=event.source.partition)
+
+
+async def delete_in_partition(table: Any, key: bytes, partition: int, ctx: ProcessingContext) -> None:
+    """del table[key] in `partition`, outside any input event; a tombstone in the changelog."""
+    ctx.bind_partition(partition)
+    table.data.pop(key, None)
+    await ctx.send(table.changelog_topic.get_topic_name(), key, None, partition=partition)
+
+
+async def send_changelog(table: Any, key: bytes, value: bytes, partition: int, ctx: ProcessingContext) -> None:
+    """The changelog half of put_in_partition: for a commit record that must be acked before it is used.
+
+    Follow it with a producer flush, then `write_local`; the local RocksDB then never holds a record the
+    changelog lost in a crash (recovery replays the changelog over it from Faust's last persisted offset).
+    """
+    await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
+
+
+def write_local(table: Any, key: bytes, value: bytes, partition: int, ctx: ProcessingContext) -> None:
+    """The RocksDB half of put_in_partition (its changelog record was sent and acked already)."""
+    ctx.bind_partition(partition)
+    table.data[key] = value

@@ -70,6 +70,19 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
         "metric_id", "evaluator", "metric", "rule", "value", "severity", "session_id", "episode_id",
         "logical_event_id", "agent_id", "policy_version", "source_event_id", "event_time", "evidence",
     ),
+    "state_versions": (
+        "session_id", "ordinal", "version_id", "parent_id", "kind", "event_id", "seq", "logical_event_id",
+        "episode_id", "tool", "step", "event_time", "rollback_to", "late", "node_count", "edge_count",
+        "node_changes", "edge_changes",
+    ),
+    "state_nodes": (
+        "session_id", "from_ordinal", "node_id", "type", "data_json", "valid_from", "expires_at", "caused_by_tool",
+        "open_op",
+    ),
+    "state_node_causes": ("caused_by_tool", "valid_from", "session_id", "node_id", "type", "from_ordinal"),
+    "state_node_ends": ("session_id", "to_ordinal", "node_id", "from_ordinal", "valid_to", "close_op"),
+    "state_edges": ("session_id", "from_ordinal", "src", "dst", "type", "data_json", "valid_from", "open_op"),
+    "state_edge_ends": ("session_id", "to_ordinal", "src", "dst", "type", "from_ordinal", "valid_to", "close_op"),
 }  # fmt: skip
 
 Row = dict[str, Any]
@@ -296,6 +309,52 @@ def _resource_sample(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Ro
     return [("resource_samples", row)]
 
 
+def _state_version(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    """A StateVersion: its row, an end row per interval it closed and an open row per interval it began."""
+    at = micros(record["event_time"])
+    version = {name: record[name] for name in TABLE_COLUMNS["state_versions"][:10]}
+    version.update(
+        tool=record.get("tool") or "", step=record.get("step"), event_time=at, rollback_to=record.get("rollback_to"),
+        late=int(bool(record.get("late"))), node_count=record["node_count"], edge_count=record["edge_count"],
+        node_changes=len(record["node_changes"]), edge_changes=len(record["edge_changes"]),
+    )  # fmt: skip
+    rows: list[tuple[str, Row]] = [("state_versions", version)]
+    for change in record["node_changes"]:
+        key = {"session_id": record["session_id"], "node_id": change["node_id"]}
+        rows += _interval_rows("state_node", key, change, record["ordinal"], at)
+    for change in record["edge_changes"]:
+        key = {"session_id": record["session_id"], "src": change["src"], "dst": change["dst"], "type": change["type"]}
+        rows += _interval_rows("state_edge", key, change, record["ordinal"], at)
+    return rows
+
+
+def _interval_rows(table: str, key: Row, change: Mapping[str, Any], ordinal: int, at: int) -> list[tuple[str, Row]]:
+    """The end row of the interval a change closed and the open row of the one it began."""
+    rows: list[tuple[str, Row]] = []
+    before, after, op = change["prev"], change["next"], change["op"]
+    if before is not None:
+        expires = _optional_micros(before.get("expires_at"))
+        end = min(at, expires) if expires is not None else at  # a TTL'd node ended at its expiry
+        rows.append((f"{table}_ends", {**key, "to_ordinal": ordinal, "from_ordinal": before["from_ordinal"],
+                                        "valid_to": end, "close_op": op}))  # fmt: skip
+    if after is not None:
+        opened = {
+            **key,
+            "from_ordinal": after["from_ordinal"],
+            "data_json": after["data_json"],
+            "valid_from": micros(after["valid_from"]),
+            "open_op": "restore" if op == "restore" else "upsert",
+        }
+        if table == "state_node":
+            opened.update(type=after["type"], expires_at=_optional_micros(after.get("expires_at")),
+                          caused_by_tool=after.get("caused_by_tool", ""))  # fmt: skip
+        rows.append((f"{table}s", opened))
+        if opened.get("caused_by_tool"):  # the narrow copy that "caused by tool X lately" reads
+            cause = ("caused_by_tool", "valid_from", "session_id", "node_id", "type", "from_ordinal")
+            rows.append(("state_node_causes", {name: opened[name] for name in cause}))
+    return rows
+
+
 _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     "actions": _input_event,
     "tool_results": _input_event,
@@ -308,4 +367,5 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "evaluation_metrics": _evaluation_metric,
     "resource_samples": _resource_sample,
     "late_rewards": _late_reward,
+    "state_versions": _state_version,
 }

@@ -434,6 +434,24 @@ def eval_report(
         render(report, console)
 
 
+@app.command()
+@friendly
+def state(
+    session: str = typer.Argument(..., help="Session id."),
+    at: str = typer.Option(None, "--at", help="Version id, ordinal, or ISO time (default: now)."),
+    diff: str = typer.Option(None, "--diff", help="Show what changed between two versions: V1..V2."),
+    as_json: bool = typer.Option(False, "--json", help="Print the graph (or diff) as JSON."),
+) -> None:
+    """Show a session's state graph at a version or time, or the diff between two versions."""
+    from streams.state_history import StateNotFoundError
+    from streams.state_view import run_state_command
+
+    try:
+        run_state_command(settings(), session, at, diff, as_json, console)
+    except (ValueError, StateNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()

@@ -50,6 +50,7 @@ from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from streams.batching import Batch, PartitionBatcher, key_hash
 from streams.producer import create_producer
 from streams.settings import Settings
+from streams.state_model import StateGraph
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import now_micros, uuid7
@@ -958,6 +959,26 @@ class AgentStream(_Emitter):
         if (waiting := self._send(LIFECYCLE, record, encoded)) is not None:
             await waiting
         return event_id
+
+    async def state(self) -> StateGraph | None:
+        """The session's latest state graph from Redis, expired nodes removed; None before its first version.
+
+        The state processor writes Redis after each commit, so this is O(1) and a little behind the events
+        just emitted (a state event waits for its seq's turn, see processors/state_graph.py).
+        """
+        from streams.state_cache import StateCache, connect
+
+        client = connect(self.settings)
+        try:
+            return await StateCache(client, self.settings.topic_prefix).read(self.session_id)
+        finally:
+            await client.aclose()
+
+    async def state_at(self, version_or_time: str | int | datetime) -> StateGraph:
+        """The session's graph at a version id, ordinal or time, from the ClickHouse history tables."""
+        from streams.state_history import state_at
+
+        return await asyncio.to_thread(state_at, self.settings, self.session_id, version_or_time)
 
 
 class _AsyncToolCallContext:

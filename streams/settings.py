@@ -81,7 +81,7 @@ class Settings(BaseModel):
     processors: tuple[str, ...] = Field(
         default=("steps",),
         description="TREADLE_PROCESSORS: comma-separated processors the worker runs, by plugin name "
-        "(`treadle processors` lists them: steps, safety, credit, safety_judge, llm_judge).",
+        "(`treadle processors` lists them: steps, state, safety, credit, safety_judge, llm_judge).",
     )
     process_batch_size: int = Field(
         default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
@@ -146,6 +146,24 @@ class Settings(BaseModel):
     )
     llm_judge_concurrency: int = Field(
         default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
+    )
+    state_auto_nodes: bool = Field(
+        default=True,
+        description="TREADLE_STATE_AUTO_NODES: dispatches and tool results add state-graph nodes and a causes edge.",
+    )
+    state_idle_flush_s: float = Field(
+        default=1.0,
+        description="TREADLE_STATE_IDLE_FLUSH_S: longest wait of a state event for its session's other topics "
+        "to catch up before it is applied anyway.",
+    )
+    state_max_buffer: int = Field(
+        default=1_000, description="TREADLE_STATE_MAX_BUFFER: most events a session's state reorder buffer holds."
+    )
+    state_max_nodes: int = Field(
+        default=1_000_000, description="TREADLE_STATE_MAX_NODES: most live nodes per session; more is refused."
+    )
+    state_history: int = Field(
+        default=256, description="TREADLE_STATE_HISTORY: versions per session that rollback_to can reach."
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -39,6 +39,11 @@ T0 = 1_760_000_000_000_000  # 2025-10-09, in microseconds
 MONTH = 31 * 24 * 3600 * 1_000_000
 VIEWS = ["raw_events_latest", "transitions_latest", "reward_components_latest", "woven_rewards_latest"]
 VIEWS += ["dead_letters_latest", "evaluation_metrics_latest"]
+# The state graph's migrations (0012, 0013): tables and views.
+STATE_OBJECTS = {"state_versions", "state_nodes", "state_node_causes", "state_node_ends", "state_edges"}
+STATE_OBJECTS |= {"state_edge_ends"}
+STATE_OBJECTS |= {f"{table}_latest" for table in STATE_OBJECTS}
+STATE_OBJECTS |= {"state_node_intervals", "state_edge_intervals", "transitions_with_state"}
 _DATABASES = itertools.count()
 
 
@@ -106,6 +111,22 @@ def state_delta(session: str = "s-1", lid: str = "l-1") -> dict[str, Any]:
         "edge_deletes": [],
         "rollback_to": None,
     }
+
+
+def state_version(session: str = "s-1") -> dict[str, Any]:
+    """Version 2 of a session: it replaced order:9 (opened by version 1) and added an edge."""
+    old = {"type": "order", "data_json": '{"status":"new"}', "from_ordinal": 1, "valid_from": T0, "expires_at": None}
+    new = {**old, "data_json": '{"status":"open"}', "from_ordinal": 2, "valid_from": T0 + 900_000}
+    return {
+        "session_id": session, "version_id": f"{session}.2.00ff", "parent_id": f"{session}.1.00aa", "ordinal": 2,
+        "kind": "delta", "event_id": "0199c9a0-0003-7000-8000-000000000001", "seq": 4, "logical_event_id": "l-1",
+        "episode_id": "ep-1", "tool": None, "step": None, "event_time": T0 + 900_000, "rollback_to": None,
+        "late": False, "node_count": 1, "edge_count": 1,
+        "node_changes": [{"node_id": "order:9", "op": "upsert", "prev": {**old, "caused_by_tool": ""},
+                          "next": {**new, "caused_by_tool": ""}}],
+        "edge_changes": [{"src": "customer:42", "dst": "order:9", "type": "references", "op": "upsert", "prev": None,
+                          "next": {"data_json": "{}", "from_ordinal": 2, "valid_from": T0 + 900_000}}],
+    }  # fmt: skip
 
 
 def lifecycle(session: str = "s-1") -> dict[str, Any]:
@@ -260,7 +281,7 @@ def test_migrations_apply_are_idempotent_roll_back_and_reapply(bare_store: Click
     tables |= {"evaluation_metrics"}
 
     assert apply() == all_versions and all_versions[:6] == [1, 2, 3, 4, 5, 6]
-    assert tables_in(bare_store) >= tables | set(VIEWS) | {"schema_migrations"}
+    assert tables_in(bare_store) >= tables | set(VIEWS) | {"schema_migrations"} | STATE_OBJECTS
     assert apply() == []
 
     assert bare_store.call_sync(lambda c: migrations.rollback(c, 2, db)) == later[::-1]
@@ -402,6 +423,11 @@ def test_derived_records_map_to_their_tables() -> None:
     assert table == "evaluation_metrics" and set(row) == set(TABLE_COLUMNS["evaluation_metrics"])
     assert row["metric_id"] == "safety:safety_alert:email:0199c9a0-0001-7000-8000-000000000001"
     assert row["event_time"] == T0 + 850_000 and row["policy_version"] == "pi-2025-10-01"
+
+    state_tables = [table for table, _ in rows_for("state_versions", state_version())]
+    assert state_tables == ["state_versions", "state_node_ends", "state_nodes", "state_edges"]
+    for table, row in rows_for("state_versions", state_version()):
+        assert set(row) == set(TABLE_COLUMNS[table]), table
 
     with pytest.raises(ValueError, match="no ClickHouse table takes records of topic kind 'schemas'"):
         rows_for("schemas", {})

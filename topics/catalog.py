@@ -51,6 +51,7 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
     ("transitions", "treadle.derived.Transition", TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
     ("woven_rewards", "treadle.derived.WovenReward", TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
     ("dead_letters", "treadle.derived.DeadLetter", TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),
+    ("state_versions", "treadle.derived.StateVersion", TopicRole.OUTPUT, _DELETE, "State-graph versions and changes."),
     (
         "evaluation_metrics",
         "treadle.derived.EvaluationMetric",
@@ -78,6 +79,13 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         TopicRole.INTERNAL,
         {"cleanup.policy": "compact", "retention.ms": "-1"},
         "Reward policies: version -> policy JSON (`treadle policy push`).",
+    ),
+    (
+        "node_types",
+        None,
+        TopicRole.INTERNAL,
+        {"cleanup.policy": "compact", "retention.ms": "-1"},
+        "State-graph node types: node/<type>/<hash> -> JSON Schema (python -m topics.node_types).",
     ),
     (
         "schemas",

@@ -1,0 +1,339 @@
+"""State-graph benchmark: `python -m bench.state_bench [--nodes 100000] [--steps 4000] [--skip-worker]`.
+
+1. Worker: a real `treadle worker` with TREADLE_PROCESSORS=state (sink off, own local stack) folds agent steps
+   (dispatch + tool result + a delta of 5 node upserts, across sessions); the clock stops when every StateVersion
+   is on the state_versions topic. Baseline, same run, same events: the worker with TREADLE_PROCESSORS=steps.
+2. Fold on one core, in process: the same fold over an in-memory store, state serialized per batch of 100.
+   Baseline: the same deltas applied to a plain dict.
+3. History on chDB, one session grown to --nodes live nodes by the fold (updates and deletes, so there are more
+   intervals than nodes; auto `causes` edges too), landed through sinks.rows into the migrated tables in sink-sized
+   inserts. p50 of "state at version V" (streams/state_history.py: nodes, edges, and the whole read_state) and
+   "nodes caused by tool X in the last 5 minutes" (one session; all sessions). Baseline, same run, same data:
+   the earlier cut's layout (one ReplacingMergeTree(closed) interval table read with FINAL, commit ba1d64d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from processors.state_graph import DELTA, DISPATCH, RESULT, FoldConfig, MemoryStore, SessionState, StateFold
+from sinks.rows import TABLE_COLUMNS, rows_for
+from streams.state_history import At, caused_by_tool_sql, edges_sql, nodes_sql, read_state
+
+SESSION = "bench-session"
+TOOLS = ["search", "write", "browse", "calc"]
+OLD_NODES_DDL = """
+CREATE TABLE old_state_nodes (
+    session_id String, from_ordinal UInt64, node_id String, to_ordinal UInt64, type LowCardinality(String),
+    data_json String, valid_from DateTime64(6, 'UTC'), valid_to DateTime64(6, 'UTC'),
+    expires_at Nullable(DateTime64(6, 'UTC')), caused_by_tool LowCardinality(String), closed UInt8,
+    INDEX idx_tool caused_by_tool TYPE set(256) GRANULARITY 1, INDEX idx_valid_from valid_from TYPE minmax GRANULARITY 1
+) ENGINE = ReplacingMergeTree(closed) ORDER BY (session_id, from_ordinal, node_id)
+"""
+OPEN_ORDINAL = 2**64 - 1
+
+
+def envelope(session: str, seq: int, t: int, lid: str | None = None) -> dict[str, Any]:
+    event_id = f"{session}-e{seq}"
+    return {"event_id": event_id, "session_id": session, "agent_id": "bench", "episode_id": "ep",
+            "logical_event_id": lid or event_id, "seq": seq, "event_time": t, "policy_version": "",
+            "trace_id": "", "attributes": {}}  # fmt: skip
+
+
+def history_workload(total_nodes: int, per_delta: int, start: int, span_us: int, rng: random.Random):
+    """(schema, record) in seq order for one session: dispatches, and deltas tied to them that upsert new nodes,
+    update and delete a few older ones."""
+    events, seq, created = [], 0, 0
+    n_deltas = total_nodes // per_delta
+    for k in range(n_deltas):
+        t = start + span_us * k // n_deltas
+        lid = f"step-{k}"
+        events.append((DISPATCH, {"envelope": envelope(SESSION, seq, t, lid), "step": k, "tool": TOOLS[k % 4],
+                                  "params_json": "{}", "deadline": None}))  # fmt: skip
+        seq += 1
+        ups = [
+            {
+                "id": f"n{i}",
+                "type": "memory",
+                "ttl_seconds": None,
+                "data_json": orjson.dumps({"text": f"m{i}", "k": k}).decode(),
+            }
+            for i in range(created, created + per_delta)
+        ]
+        created += per_delta
+        if created > per_delta:
+            ups += [{"id": f"n{rng.randrange(created - per_delta)}", "type": "memory", "data_json": '{"upd":1}',
+                     "ttl_seconds": None} for _ in range(per_delta // 10)]  # fmt: skip
+        deletes = [f"n{rng.randrange(created)}" for _ in range(per_delta // 50)]
+        events.append((DELTA, {"envelope": envelope(SESSION, seq, t + 1, lid), "node_upserts": ups,
+                               "node_deletes": deletes, "edge_upserts": [], "edge_deletes": [],
+                               "rollback_to": None}))  # fmt: skip
+        seq += 1
+    return events
+
+
+def step_events(session: str, k: int, seq: int, t: int, upserts: int) -> list[tuple[str, dict[str, Any]]]:
+    """One agent step: dispatch, tool result, and a delta of `upserts` nodes tied to the step."""
+    lid = f"{session}-step-{k}"
+    ups = [{"id": f"k{k}-{i}", "type": "note", "data_json": orjson.dumps({"k": k, "i": i}).decode(),
+            "ttl_seconds": None} for i in range(upserts)]  # fmt: skip
+    return [
+        (DISPATCH, {"envelope": envelope(session, seq, t, lid), "step": k, "tool": TOOLS[k % 4],
+                    "params_json": '{"q": 1}', "deadline": None}),
+        (RESULT, {"envelope": envelope(session, seq + 1, t + 1000, lid), "tool": TOOLS[k % 4], "status": "OK",
+                  "output": "ok", "error": None, "latency_ms": 1.0, "cost_usd": 0.0, "tokens_in": 0, "tokens_out": 0,
+                  "retries": 0}),
+        (DELTA, {"envelope": envelope(session, seq + 2, t + 2000, lid), "node_upserts": ups, "node_deletes": [],
+                 "edge_upserts": [], "edge_deletes": [], "rollback_to": None}),
+    ]  # fmt: skip
+
+
+# -- 2. fold ------------------------------------------------------------------------------------------------------
+
+
+def bench_fold(n_deltas: int) -> tuple[float, float]:
+    rng = random.Random(1)
+    events = [e for e in history_workload(n_deltas * 5, 5, 1_760_000_000_000_000, 3_600_000_000, rng) if e[0] == DELTA]
+    fold = StateFold(FoldConfig(auto_nodes=False))
+    state, store = SessionState(SESSION), MemoryStore()
+    started = time.perf_counter()
+    for i, (schema, record) in enumerate(events):
+        fold.accept(state, store, schema, record)
+        if i % 100 == 99:  # the worker writes the commit record once per batch
+            state = SessionState.from_bytes(state.to_bytes())
+    fold_rate = len(events) / (time.perf_counter() - started)
+    plain: dict[str, str] = {}
+    started = time.perf_counter()
+    for _, record in events:
+        for u in record["node_upserts"]:
+            plain[u["id"]] = u["data_json"]
+        for d in record["node_deletes"]:
+            plain.pop(d, None)
+    return fold_rate, len(events) / (time.perf_counter() - started)
+
+
+# -- 3. history on chDB -------------------------------------------------------------------------------------------
+
+
+def p50(run: Callable[[], Any], runs: int) -> tuple[float, int]:
+    """Median wall milliseconds of `run` (after one warm-up) and the size of its last answer."""
+    run()
+    times, size = [], 0
+    for _ in range(runs):
+        started = time.perf_counter()
+        result = run()
+        times.append((time.perf_counter() - started) * 1000)
+        if hasattr(result, "nodes"):
+            size = len(result.nodes) + len(result.edges)
+        elif result and hasattr(result[0], "num_rows"):  # Arrow record batches
+            size = sum(batch.num_rows for batch in result)
+        else:
+            size = len(result)
+    return statistics.median(times), size
+
+
+def old_rows(versions: list[dict[str, Any]]) -> list[list[Any]]:
+    """The earlier cut's interval rows: an open row per interval, and a closed row replacing it."""
+    rows = []
+    for v in versions:
+        at = v["event_time"]
+        for c in v["node_changes"]:
+            for interval, closed in ((c["prev"], 1), (c["next"], 0)):
+                if interval is None:
+                    continue
+                exp = interval["expires_at"]
+                end = (min(at, exp) if exp else at) if closed else (exp or 10_413_791_999_000_000)
+                rows.append([SESSION, interval["from_ordinal"], c["node_id"], v["ordinal"] if closed else OPEN_ORDINAL,
+                             interval["type"], interval["data_json"], interval["valid_from"], end, exp,
+                             interval["caused_by_tool"], closed])  # fmt: skip
+    return rows
+
+
+def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, float, int]]:
+    from sinks.clickhouse import ClickHouseStore
+    from sinks.migrations import apply_migrations
+    from streams.settings import Settings
+
+    now = int(time.time() * 1_000_000)
+    events = history_workload(total_nodes, 100, now - 10 * 60_000_000, 10 * 60_000_000, random.Random(2))
+    fold = StateFold(FoldConfig(history=16))
+    state, store = SessionState(SESSION), MemoryStore()
+    versions = [fold.apply(state, store, schema, record) for schema, record in events]
+    rows: dict[str, list[list[Any]]] = {}
+    for v in versions:
+        for table, row in rows_for("state_versions", v):
+            rows.setdefault(table, []).append([row[c] for c in TABLE_COLUMNS[table]])
+    results: list[tuple[str, float, int]] = []
+    with tempfile.TemporaryDirectory() as home, ClickHouseStore.open(Settings(home=Path(home))) as ch:
+        apply_migrations(ch)
+        for table, data in rows.items():
+            for i in range(0, len(data), batch):  # as the sink inserts: many parts
+                ch.insert_sync(table, data[i : i + batch], TABLE_COLUMNS[table])
+        ch.command_sync(OLD_NODES_DDL)
+        old = old_rows(versions)
+        names = ["session_id", "from_ordinal", "node_id", "to_ordinal", "type", "data_json", "valid_from",
+                 "valid_to", "expires_at", "caused_by_tool", "closed"]  # fmt: skip
+        for i in range(0, len(old), batch):
+            ch.insert_sync("old_state_nodes", old[i : i + batch], names)
+
+        def q(sql: str) -> Callable[[], Any]:
+            return lambda: ch.query_sync(sql).result_rows
+
+        def arrow_table(sql: str) -> Callable[[], Any]:
+            return lambda: ch.call_sync(lambda c: c.query_arrow(sql)).to_batches()
+
+        count = ch.query_sync("SELECT (SELECT count() FROM state_nodes), (SELECT count() FROM state_edges)").result_rows
+        opened, edges = count[0]
+        results.append((f"{state.ordinal} versions, {state.node_count:,} live nodes, {opened:,} node intervals, "
+                        f"{edges:,} edge intervals", 0.0, 0))  # fmt: skip
+        last, middle = state.ordinal, state.ordinal // 2
+        old_at = (
+            "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at), caused_by_tool FROM old_state_nodes "
+            f"FINAL WHERE session_id = '{SESSION}' AND from_ordinal <= {{v}} AND to_ordinal > {{v}}"
+        )
+        results.append(("state at version V (last): nodes", *p50(q(nodes_sql(SESSION, last)), runs)))
+        results.append(("  baseline: earlier cut, FINAL intervals", *p50(q(old_at.format(v=last)), runs)))
+        results.append(("  same, as Arrow (columns, no tuples)", *p50(arrow_table(nodes_sql(SESSION, last)), runs)))
+        results.append(("  baseline as Arrow", *p50(arrow_table(old_at.format(v=last)), runs)))
+        plain = nodes_sql(SESSION, last).split(" AND from_ordinal")[0]  # same columns, every open row, no anti-join
+        results.append(("  floor: every open row, no filter, tuples", *p50(q(plain), runs)))
+        results.append(("state at version V (middle): nodes", *p50(q(nodes_sql(SESSION, middle)), runs)))
+        results.append(("  baseline: earlier cut, FINAL intervals", *p50(q(old_at.format(v=middle)), runs)))
+        results.append(("state at version V (last): edges", *p50(q(edges_sql(SESSION, last)), runs)))
+        run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
+        results.append(
+            (
+                "state at V (last): read_state, to objects",
+                *p50(lambda: read_state(run, SESSION, At(ordinal=last)), runs),
+            )
+        )
+        results.append(("nodes caused by tool X, last 5 min", *p50(q(caused_by_tool_sql("search", 5, SESSION)), runs)))
+        old_tool = (
+            "SELECT DISTINCT node_id, type FROM old_state_nodes FINAL WHERE session_id = '{s}' AND caused_by_tool = "
+            "'search' AND valid_from >= now64(6) - INTERVAL 5 MINUTE"
+        )
+        results.append(("  baseline: earlier cut, FINAL intervals", *p50(q(old_tool.format(s=SESSION)), runs)))
+        results.append(("  same, all sessions", *p50(q(caused_by_tool_sql("search", 5)), runs)))
+        count_only = f"SELECT count() FROM ({caused_by_tool_sql('search', 5, SESSION)})"
+        results.append(("  same, as Arrow", *p50(arrow_table(caused_by_tool_sql("search", 5, SESSION)), runs)))
+        results.append(("  same, count() only (no rows to Python)", *p50(q(count_only), runs)))
+        count_at = f"SELECT count() FROM ({nodes_sql(SESSION, last)})"
+        results.append(("state at V (last), count() only", *p50(q(count_at), runs)))
+    return results
+
+
+# -- 1. worker ----------------------------------------------------------------------------------------------------
+
+
+def bench_worker(steps: int, sessions: int, partitions: int, timeout: float) -> list[str]:
+    """deltas/s through a real worker with the state processor; the steps-only worker is the baseline."""
+    from bench.common import bench_settings, local_stack
+
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as home:
+        base = bench_settings(Path(home), f"statebench{int(time.time())}", partitions)
+        with local_stack(base) as took:
+            lines.append(f"local stack up in {took:.1f}s; {steps} steps over {sessions} sessions, 3 events each")
+            for processors in (("state",), ("steps",)):
+                name = f"{base.topic_prefix}{processors[0]}"
+                settings = base.model_copy(
+                    update={"processors": processors, "sink": "off", "topic_prefix": name, "app_id": name,
+                            "home": Path(home) / processors[0]}
+                )  # fmt: skip
+                elapsed, done = asyncio.run(_drive(settings, steps, sessions, timeout))
+                label = "state processor" if processors == ("state",) else "  baseline: steps processor"
+                what = "StateVersions" if processors == ("state",) else "final Transitions"
+                status = "" if done else f" (TIMED OUT, {done}/{what})"
+                lines.append(
+                    f"{label:<40} {steps / elapsed:9,.0f} deltas/s  {3 * steps / elapsed:9,.0f} events/s "
+                    f"({elapsed:.1f}s until every {what[:-1]}){status}"
+                )
+    return lines
+
+
+async def _drive(settings: Any, steps: int, sessions: int, timeout: float) -> tuple[float, bool]:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    from bench.worker_bench import BenchWorker
+    from streams.producer import producer_config
+    from streams.worker import prepare_cluster
+    from topics.catalog import TopicCatalog
+    from topics.codec import AvroCodec
+
+    await prepare_cluster(settings)
+    catalog, codec = TopicCatalog(settings), AvroCodec()
+    kinds = {DISPATCH: "actions", RESULT: "tool_results", DELTA: "state_deltas"}
+    encoded, t0 = [], 1_760_000_000_000_000
+    for k in range(steps // sessions):
+        for s in range(sessions):
+            session = f"s{s}"
+            for schema, record in step_events(session, k, 3 * k, t0 + k * 1_000_000, 5):
+                encoded.append((catalog[kinds[schema]].name, session.encode(), codec.encode(schema, record)))
+    state = settings.processors == ("state",)
+    out_topic = catalog["state_versions" if state else "transitions"].name
+    want = len(encoded) if state else steps // sessions * sessions
+    worker = BenchWorker(settings, pin=False).start()
+    try:
+        await asyncio.to_thread(worker.wait_ready, 180)
+        consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, auto_offset_reset="earliest")
+        producer = AIOKafkaProducer(**producer_config(settings, client_id="state-bench"))
+        await consumer.start()
+        await producer.start()
+        try:
+            consumer.assign([TopicPartition(out_topic, p) for p in range(settings.partitions)])
+            started = time.perf_counter()
+            for topic, key, value in encoded:
+                await producer.send(topic, value, key=key)
+            await producer.flush()
+            seen: set[tuple[str, int]] = set()
+            deadline = started + timeout
+            while len(seen) < want and time.perf_counter() < deadline:
+                for messages in (await consumer.getmany(timeout_ms=200, max_records=5000)).values():
+                    for message in messages:
+                        record = codec.decode(message.value)[1]
+                        seen.add(
+                            (record["session_id"], record["ordinal"]) if state else (record["logical_event_id"], 0)
+                        )
+            return time.perf_counter() - started, len(seen) >= want
+        finally:
+            await producer.stop()
+            await consumer.stop()
+    finally:
+        worker.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=100_000, help="live nodes of the history session (100,000)")
+    parser.add_argument("--deltas", type=int, default=20_000, help="deltas for the in-process fold (20,000)")
+    parser.add_argument("--steps", type=int, default=4_000, help="agent steps through the worker (4,000)")
+    parser.add_argument("--sessions", type=int, default=40, help="sessions the worker's steps spread over (40)")
+    parser.add_argument("--runs", type=int, default=21, help="timed runs per query; the median is shown (21)")
+    parser.add_argument("--batch", type=int, default=5_000, help="rows per ClickHouse insert, as the sink (5,000)")
+    parser.add_argument("--skip-worker", action="store_true", help="only the in-process sections (no Kafka)")
+    args = parser.parse_args()
+    if not args.skip_worker:
+        print("1. worker (own local stack, TREADLE_SINK=off, not pinned):")
+        for line in bench_worker(args.steps, args.sessions, 4, 300.0):
+            print(f"  {line}")
+    fold_rate, plain_rate = bench_fold(args.deltas)
+    print("2. fold, in process, one core (5 upserts + deletes per delta, state serialized every 100 deltas):")
+    print(f"  {'StateFold over a dict store':<40} {fold_rate:9,.0f} deltas/s")
+    print(f"  {'  baseline: plain dict apply':<40} {plain_rate:9,.0f} deltas/s")
+    print(f"3. history on chDB, one session, {args.nodes:,} nodes created (p50 of {args.runs}; targets 50 ms / 10 ms):")
+    for label, ms, rows in bench_history(args.nodes, args.runs, args.batch):
+        print(f"  {label}" if not ms else f"  {label:<44} p50 {ms:7.1f} ms  ({rows:,} rows)")
+
+
+if __name__ == "__main__":
+    main()

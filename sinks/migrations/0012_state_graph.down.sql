@@ -1,0 +1,14 @@
+DROP VIEW IF EXISTS {database}.state_edge_intervals;
+DROP VIEW IF EXISTS {database}.state_node_intervals;
+DROP VIEW IF EXISTS {database}.state_edge_ends_latest;
+DROP VIEW IF EXISTS {database}.state_edges_latest;
+DROP VIEW IF EXISTS {database}.state_node_ends_latest;
+DROP VIEW IF EXISTS {database}.state_node_causes_latest;
+DROP VIEW IF EXISTS {database}.state_nodes_latest;
+DROP VIEW IF EXISTS {database}.state_versions_latest;
+DROP TABLE IF EXISTS {database}.state_edge_ends;
+DROP TABLE IF EXISTS {database}.state_edges;
+DROP TABLE IF EXISTS {database}.state_node_ends;
+DROP TABLE IF EXISTS {database}.state_node_causes;
+DROP TABLE IF EXISTS {database}.state_nodes;
+DROP TABLE IF EXISTS {database}.state_versions;
