@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,8 @@ import orjson
 
 from processors.state_graph import DELTA, DISPATCH, RESULT, FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
-from streams.state_history import At, caused_by_tool_sql, edges_sql, nodes_sql, read_state
+from streams.sql_client import run_sql, run_sql_arrow
+from streams.state_history import caused_by_tool_sql, edges_sql, nodes_sql, read_state, read_state_arrow, state_at
 
 SESSION = "bench-session"
 TOOLS = ["search", "write", "browse", "calc"]
@@ -174,7 +177,7 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         for table, row in rows_for("state_versions", v):
             rows.setdefault(table, []).append([row[c] for c in TABLE_COLUMNS[table]])
     results: list[tuple[str, float, int]] = []
-    with tempfile.TemporaryDirectory() as home, ClickHouseStore.open(Settings(home=Path(home))) as ch:
+    with tempfile.TemporaryDirectory() as home, ClickHouseStore.open(settings := Settings(home=Path(home))) as ch:
         apply_migrations(ch)
         for table, data in rows.items():
             for i in range(0, len(data), batch):  # as the sink inserts: many parts
@@ -210,13 +213,6 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         results.append(("state at version V (middle): nodes", *p50(q(nodes_sql(SESSION, middle)), runs)))
         results.append(("  baseline: earlier cut, FINAL intervals", *p50(q(old_at.format(v=middle)), runs)))
         results.append(("state at version V (last): edges", *p50(q(edges_sql(SESSION, last)), runs)))
-        run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
-        results.append(
-            (
-                "state at V (last): read_state, to objects",
-                *p50(lambda: read_state(run, SESSION, At(ordinal=last)), runs),
-            )
-        )
         results.append(("nodes caused by tool X, last 5 min", *p50(q(caused_by_tool_sql("search", 5, SESSION)), runs)))
         old_tool = (
             "SELECT DISTINCT node_id, type FROM old_state_nodes FINAL WHERE session_id = '{s}' AND caused_by_tool = "
@@ -229,7 +225,85 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         results.append(("  same, count() only (no rows to Python)", *p50(q(count_only), runs)))
         count_at = f"SELECT count() FROM ({nodes_sql(SESSION, last)})"
         results.append(("state at V (last), count() only", *p50(q(count_at), runs)))
+        run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
+        arrow = ch.read_only_query_arrow_sync
+        in_process = lambda: read_state_arrow(arrow, SESSION, last)  # noqa: E731
+        results.append(("state at V (last), in process: read_state_arrow", *p50(in_process, runs)))
+        results.append(("  baseline: read_state, rows to objects", *p50(lambda: read_state(run, SESSION, last), 5)))
+        with _sql_endpoint(ch, settings):  # the sink's process owns chDB, as while a worker runs
+            results.append(("state_at(V last): the public path", *p50(lambda: state_at(settings, SESSION, last), runs)))
+            results.append(("  same, V by id", *p50(lambda: state_at(settings, SESSION, state.version_id), runs)))
+            results.append(("  same, middle V", *p50(lambda: state_at(settings, SESSION, middle), runs)))
+            touch = lambda: _touch(state_at(settings, SESSION, last))  # noqa: E731
+            results.append(("  same, then every node and edge built", *p50(touch, max(3, runs // 4))))
+            results.append(
+                ("  baseline: earlier state_at, /sql JSON rows", *p50(lambda: _rows_state(settings, last), 3)),
+            )
+            tool_sql = caused_by_tool_sql("search", 5, SESSION)
+            tool_arrow = lambda: run_sql_arrow(settings, tool_sql).to_batches()  # noqa: E731
+            results.append(("nodes caused by tool X: via /arrow endpoint", *p50(tool_arrow, runs)))
+            tool_rows = lambda: run_sql(settings, tool_sql)[1]  # noqa: E731
+            results.append(("  same via /sql (JSON rows, `treadle sql`)", *p50(tool_rows, runs)))
     return results
+
+
+@contextmanager
+def _sql_endpoint(store: Any, settings: Any) -> Iterator[None]:
+    """The sink's SQL endpoint (streams/sink_service.py) in a process of its own, as a running worker serves it.
+
+    chDB allows one process per path: `store` is closed while the endpoint process owns the data.
+    """
+    import multiprocessing
+
+    from streams.run_info import SqlEndpoint
+
+    store.close()
+    process = multiprocessing.get_context("spawn").Process(target=_serve_sql, args=(settings,), daemon=True)
+    process.start()
+    deadline = time.monotonic() + 60
+    while SqlEndpoint.read(settings) is None:
+        if time.monotonic() > deadline or not process.is_alive():
+            raise RuntimeError("the bench's SQL endpoint did not start")
+        time.sleep(0.1)
+    try:
+        yield
+    finally:
+        process.terminate()
+        process.join()
+        SqlEndpoint.path(settings).unlink(missing_ok=True)
+
+
+def _serve_sql(settings: Any) -> None:
+    from aiohttp import web
+
+    from sinks.clickhouse import ClickHouseStore
+    from streams.run_info import SqlEndpoint
+    from streams.sink_service import sql_app
+
+    async def serve() -> None:
+        store = ClickHouseStore.open(settings)
+        runner = web.AppRunner(sql_app(store), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        SqlEndpoint(pid=os.getpid(), port=site._server.sockets[0].getsockname()[1]).write(settings)  # type: ignore[union-attr]
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def _touch(graph: Any) -> Any:
+    """Build every node and edge object (what code that walks the whole graph pays)."""
+    for node in graph.nodes.values():
+        assert node.id
+    for edge in graph.edges:
+        assert edge.src
+    return graph
+
+
+def _rows_state(settings: Any, ordinal: int) -> Any:
+    """The earlier public path: rows as JSON through /sql, every object built."""
+    return read_state(lambda sql: run_sql(settings, sql)[1], SESSION, ordinal)
 
 
 # -- 1. worker ----------------------------------------------------------------------------------------------------

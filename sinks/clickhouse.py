@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import clickhouse_connect
+import pyarrow as pa
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.query import QueryResult
 
@@ -26,6 +27,9 @@ from streams.settings import Settings
 DEFAULT_DATABASE = "treadle"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 T = TypeVar("T")
+# Read-only sessions send Arrow results with LowCardinality columns as dictionaries: no per-row string copies
+# (about 5 ms per 100,000-row column on chDB), and pyarrow keeps them as DictionaryArrays.
+ARROW_OUTPUT_SETTINGS = {"output_format_arrow_low_cardinality_as_dictionary": 1}
 
 
 class ClickHouseUnavailableError(RuntimeError):
@@ -178,6 +182,8 @@ class ClickHouseStore:
             read_only = self._client_factory()
             try:
                 read_only.database = self.database
+                for name, value in ARROW_OUTPUT_SETTINGS.items():  # before readonly, which forbids changing them
+                    read_only.set_client_setting(name, str(value))
                 for name, value in read_only_settings().items():
                     read_only.set_client_setting(name, str(value))
             except BaseException:
@@ -233,6 +239,11 @@ class ClickHouseStore:
         checked = check_read_only(sql)
         return await self.call(lambda _writer: self._read_only().query(checked))
 
+    async def read_only_query_arrow(self, sql: str) -> pa.Table:
+        """read_only_query with the result as an Arrow table (LowCardinality columns stay dictionaries)."""
+        checked = check_read_only(sql)
+        return await self.call(lambda _writer: self._read_only().query_arrow(checked))
+
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -269,6 +280,10 @@ class ClickHouseStore:
     def read_only_query_sync(self, sql: str) -> QueryResult:
         checked = check_read_only(sql)
         return self.call_sync(lambda _writer: self._read_only().query(checked))
+
+    def read_only_query_arrow_sync(self, sql: str) -> pa.Table:
+        checked = check_read_only(sql)
+        return self.call_sync(lambda _writer: self._read_only().query_arrow(checked))
 
     def close(self) -> None:
         """Close the client on its own thread (releasing chDB's data path) and stop the thread; idempotent."""

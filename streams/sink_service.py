@@ -3,7 +3,8 @@
 The sink decodes every topic again and inserts rows; in the Faust worker's process that took about
 half of its one core, so the worker starts this as a child process by default (TREADLE_SINK=child)
 and each gets a core. With embedded chDB this process owns the data path (one process per path),
-so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT; SqlEndpoint says where.
+so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT (`/sql`: JSON rows; `/arrow`: an Arrow IPC
+stream, for the state history reads); SqlEndpoint says where.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import time
 
 import orjson
+import pyarrow as pa
 from aiohttp import web
 
 from processors.intake import Intake
@@ -64,12 +66,27 @@ def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.App
         columns = orjson.dumps(list(result.column_names))
         return web.Response(body=b'{"columns":' + columns + b',"rows":' + rows + b"}", content_type="application/json")
 
+    async def post_arrow(request: web.Request) -> web.Response:
+        """The same read-only SQL, answered as an Arrow IPC stream (columns, no per-row JSON)."""
+        body = await request.json()
+        try:
+            table = await store.read_only_query_arrow(str(body.get("sql", "")))
+        except ReadOnlyQueryError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except Exception as exc:
+            return web.json_response({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
+        out = pa.BufferOutputStream()
+        with pa.ipc.new_stream(out, table.schema) as writer:
+            writer.write_table(table)
+        return web.Response(body=memoryview(out.getvalue()), content_type="application/vnd.apache.arrow.stream")
+
     async def get_metrics(request: web.Request) -> web.Response:
         body = await sink.exposition() if sink is not None else b""
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
     app = web.Application()
     app.router.add_post("/sql", post_sql)
+    app.router.add_post("/arrow", post_arrow)
     app.router.add_get("/metrics", get_metrics)
     return app
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import pyarrow as pa
 
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
 from streams.run_info import SqlEndpoint, WorkerInfo
@@ -41,6 +45,65 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
             text = str(exc).strip()
             raise QueryFailedError(text.splitlines()[0] if text else type(exc).__name__) from None
     return list(result.column_names), [list(row) for row in result.result_rows]
+
+
+ArrowRunner = Callable[[str], pa.Table]
+
+
+def run_sql_arrow(settings: Settings, query: str, timeout: float = 60.0) -> pa.Table:
+    """One read-only statement as an Arrow table (LowCardinality columns as dictionaries)."""
+    with arrow_queries(settings, timeout) as run:
+        return run(query)
+
+
+@contextmanager
+def arrow_queries(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowRunner]:
+    """A function running read-only statements as Arrow tables, through one connection for all of them.
+
+    Through the sink's `/arrow` endpoint while it owns embedded chDB; otherwise on a store opened once here
+    (opening chDB per statement would cost more than the statements).
+    """
+    endpoint = SqlEndpoint.read(settings)
+    if endpoint is not None and settings.embedded_clickhouse:
+        yield lambda query: _arrow_via_endpoint(endpoint, check_read_only(query), timeout)
+        return
+    worker = WorkerInfo.read(settings)
+    if worker is not None and settings.embedded_clickhouse:
+        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+    from sinks.clickhouse import ClickHouseStore
+
+    with ClickHouseStore.open(settings) as store:
+
+        def run(query: str) -> pa.Table:
+            try:
+                return store.read_only_query_arrow_sync(query)
+            except ReadOnlyQueryError:
+                raise
+            except Exception as exc:
+                text = str(exc).strip()
+                raise QueryFailedError(text.splitlines()[0] if text else type(exc).__name__) from None
+
+        yield run
+
+
+def _arrow_via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> pa.Table:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{info.port}/arrow",
+        data=json.dumps({"sql": statement}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        error = json.loads(exc.read() or b"{}")
+        raise QueryFailedError(error.get("error", f"worker answered HTTP {exc.code}")) from None
+    except (urllib.error.URLError, TimeoutError) as exc:
+        raise QueryFailedError(
+            f"sink pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.port}: {exc}"
+        ) from None
+    return pa.ipc.open_stream(body).read_all()
 
 
 def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:

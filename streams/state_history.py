@@ -1,8 +1,9 @@
 """State history from ClickHouse: the graph at a version or a time, and the diff between two versions.
 
 Each read is a few SQL statements over the tables of sinks/migrations/0012_state_graph.up.sql, run through
-streams.sql_client.run_sql (so it works while a worker owns the embedded chDB) or any other runner. The SQL
-builders are public so users can see, copy and adapt the queries.
+streams.sql_client.arrow_queries (so it works while a worker owns the embedded chDB) or any other runner. The
+SQL builders are public so users can see, copy and adapt the queries. `state_at` reads Arrow columns and wraps
+them lazily (at 100,000 nodes, building every object up front cost ~20x the query; bench/state_bench.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import orjson
 
 from processors.state_graph import ordinal_of
 from streams.settings import Settings
+from streams.sql_client import ArrowRunner
+from streams.state_columns import ColumnarEdges, ColumnarNodes
 from streams.state_model import GraphEdge, GraphNode, StateGraph
 
 _ORDINAL = re.compile(r"^\d+$")
@@ -80,8 +83,9 @@ Runner = Callable[[str], list[list[Any]] | list[tuple[Any, ...]]]
 
 
 def version_sql(session: str, at: At) -> str:
+    """The version row a point denotes. No FINAL: a replayed row is the same row, and LIMIT 1 keeps one."""
     return (
-        "SELECT version_id, ordinal, toUnixTimestamp64Micro(event_time) FROM state_versions_latest "
+        "SELECT version_id, ordinal, toUnixTimestamp64Micro(event_time) FROM state_versions "
         f"WHERE {at.version_filter(session)} ORDER BY ordinal DESC LIMIT 1"
     )
 
@@ -103,21 +107,27 @@ def nodes_sql(session: str, ordinal: int, at_time: int | None = None) -> str:
     if at_time is not None:
         ttl = f" AND (expires_at IS NULL OR expires_at > fromUnixTimestamp64Micro({at_time}, 'UTC'))"
     return (
-        "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at), caused_by_tool FROM state_nodes "
+        "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool "
+        "FROM state_nodes "
         f"WHERE session_id = {s} AND from_ordinal <= {ordinal} "
         f"AND cityHash64(node_id, from_ordinal) NOT IN ({ended}){ttl}"
     )
 
 
 def edges_sql(session: str, ordinal: int) -> str:
-    """Edges live at version `ordinal` (as nodes_sql)."""
+    """Edges live at version `ordinal` (as nodes_sql).
+
+    src and data_json repeat (an action causes many nodes; most edges carry `{}`): sent as LowCardinality,
+    they reach Arrow as dictionaries, which halves the time to hand 100,000 edges over (measured on chDB).
+    """
     s = quote(session)
     ended = (
         "SELECT cityHash64(src, dst, type, from_ordinal) FROM state_edge_ends "
         f"WHERE session_id = {s} AND to_ordinal <= {ordinal}"
     )
     return (
-        f"SELECT src, dst, type, data_json FROM state_edges WHERE session_id = {s} "
+        "SELECT toLowCardinality(src) AS src_lc, dst, type, toLowCardinality(data_json) AS data_lc "
+        f"FROM state_edges WHERE session_id = {s} "
         f"AND from_ordinal <= {ordinal} AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
     )
 
@@ -135,28 +145,53 @@ def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) 
 
 
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
-    """The session's graph at a version or time, from ClickHouse; StateNotFoundError if there is none."""
-    from streams.sql_client import run_sql
+    """The session's graph at a version or time, from ClickHouse; StateNotFoundError if there is none.
 
-    return read_state(lambda sql: run_sql(settings, sql)[1], session, at)
+    Three statements through one connection, answered as Arrow columns; nodes and edges become Python
+    objects only when touched (streams/state_columns.py).
+    """
+    from streams.sql_client import arrow_queries
+
+    with arrow_queries(settings) as run:
+        return read_state_arrow(run, session, at)
+
+
+def _version(rows: Any, session: str, at: str | int | datetime | At, point: At) -> tuple[str, int, int] | None:
+    """(version id, ordinal, time) of the version row, None for the empty state; StateNotFoundError."""
+    if not rows:
+        if point.time is not None or point.ordinal == 0 or point.version_id == f"{session}.0.genesis":
+            return None
+        raise StateNotFoundError(f"no version {at!r} of session {session!r} in ClickHouse (yet)")
+    version_id, ordinal, vtime = rows[0]
+    return str(version_id), int(ordinal), int(vtime)
+
+
+def read_state_arrow(run: ArrowRunner, session: str, at: str | int | datetime | At) -> StateGraph:
+    """state_at over any way of running SQL into Arrow tables (`run` returns one query's pyarrow.Table)."""
+    point = at if isinstance(at, At) else At.parse(session, at)
+    found = _version([tuple(r.values()) for r in run(version_sql(session, point)).to_pylist()], session, at, point)
+    if found is None:
+        return StateGraph(session, f"{session}.0.genesis", 0, 0)
+    version_id, ordinal, vtime = found
+    nodes = ColumnarNodes(run(nodes_sql(session, ordinal, point.time)))
+    edges = ColumnarEdges(run(edges_sql(session, ordinal)))
+    return StateGraph(session, version_id, ordinal, vtime, nodes, edges)
 
 
 def read_state(run: Runner, session: str, at: str | int | datetime | At) -> StateGraph:
-    """state_at over any way of running SQL (`run` returns the rows of one query)."""
+    """state_at over any way of running SQL into rows (`run` returns the rows of one query); builds every object."""
     point = at if isinstance(at, At) else At.parse(session, at)
-    versions = run(version_sql(session, point))
-    if not versions:
-        if point.time is not None or point.ordinal == 0 or point.version_id == f"{session}.0.genesis":
-            return StateGraph(session, f"{session}.0.genesis", 0, 0)
-        raise StateNotFoundError(f"no version {at!r} of session {session!r} in ClickHouse (yet)")
-    version_id, ordinal, vtime = versions[0]
+    found = _version(run(version_sql(session, point)), session, at, point)
+    if found is None:
+        return StateGraph(session, f"{session}.0.genesis", 0, 0)
+    version_id, ordinal, vtime = found
     node_rows = run(nodes_sql(session, int(ordinal), point.time))
     edge_rows = run(edges_sql(session, int(ordinal)))
     nodes = {
         r[0]: GraphNode(r[0], r[1], orjson.loads(r[2]), None if r[3] is None else int(r[3]), r[4]) for r in node_rows
     }
     edges = list({(r[0], r[1], r[2]): GraphEdge(r[0], r[1], r[2], orjson.loads(r[3])) for r in edge_rows}.values())
-    return StateGraph(session, version_id, int(ordinal), int(vtime), nodes, edges)
+    return StateGraph(session, version_id, ordinal, vtime, nodes, edges)
 
 
 @dataclass(frozen=True)

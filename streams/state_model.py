@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,14 +26,18 @@ class GraphEdge:
 
 @dataclass(frozen=True)
 class StateGraph:
-    """A session's graph at one version; `version_id` is session.0.genesis for the empty state."""
+    """A session's graph at one version; `version_id` is session.0.genesis for the empty state.
+
+    `nodes` and `edges` are a dict and a list, or (from ClickHouse history) read-only views over Arrow columns
+    that build objects only when touched (streams/state_columns.py).
+    """
 
     session_id: str
     version_id: str
     ordinal: int
     time: int  # version time, UTC micros
-    nodes: dict[str, GraphNode] = field(default_factory=dict)
-    edges: list[GraphEdge] = field(default_factory=list)
+    nodes: Mapping[str, GraphNode] = field(default_factory=dict)
+    edges: Sequence[GraphEdge] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {

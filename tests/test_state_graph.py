@@ -520,7 +520,7 @@ def insert_versions(store, versions: list[dict], rng: random.Random) -> None:
 )
 @given(ops=op_strategy, seed=st.integers(0, 2**32))
 def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, ops, seed):
-    from streams.state_history import At, read_state
+    from streams.state_history import At, read_state, read_state_arrow
 
     session = f"h{next(_HISTORY_SESSIONS)}"  # examples share the database
     events, oracle, ids = build(ops, 256, session=session)
@@ -531,11 +531,16 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
     assert [v["version_id"] for v in versions] == ids[1:]
     insert_versions(history, versions, random.Random(seed))
     run = lambda sql: history.query_sync(sql).result_rows  # noqa: E731
+    arrow = history.read_only_query_arrow_sync  # what state_at() runs: Arrow columns, lazy objects
     for ordinal in range(len(oracle.snapshots)):
         graph = read_state(run, session, ordinal)
         nodes, edges = graph.content()
         assert (nodes, set(edges)) == oracle.view(ordinal), f"ordinal {ordinal}"
         assert graph.version_id == ids[ordinal]
+        columnar = read_state_arrow(arrow, session, ordinal)
+        assert columnar.content() == (nodes, edges) and columnar.version_id == ids[ordinal], f"ordinal {ordinal}"
+        assert len(columnar.nodes) == len(nodes) and len(columnar.edges) == len(edges)
+        assert columnar.to_json() == graph.to_json()
     for v in versions:  # between two versions: the earlier one, less the nodes whose TTL passed by then
         moment = v["event_time"] + 500_000
         latest = max(u["ordinal"] for u in versions if u["event_time"] <= moment)
@@ -543,3 +548,4 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         want = {k: (t, d) for k, (t, d, exp) in snapshot.items() if exp is None or exp > moment}
         got, got_edges = read_state(run, session, At(time=moment)).content()
         assert (got, set(got_edges)) == (want, edges), f"time after version {v['ordinal']}"
+        assert read_state_arrow(arrow, session, At(time=moment)).content() == (got, got_edges)
