@@ -316,6 +316,12 @@ def bench_worker(steps: int, sessions: int, partitions: int, timeout: float) -> 
     lines: list[str] = []
     with tempfile.TemporaryDirectory() as home:
         base = bench_settings(Path(home), f"statebench{int(time.time())}", partitions)
+        if os.environ.get("STATE_BENCH_PORT_BASE"):  # beside another bench run on this machine
+            port = int(os.environ["STATE_BENCH_PORT_BASE"])
+            base = base.model_copy(
+                update={"kafka_bootstrap_servers": f"127.0.0.1:{port}", "kafka_controller_port": port + 1,
+                        "valkey_port": port + 2, "web_port": port + 3}
+            )  # fmt: skip
         with local_stack(base) as took:
             lines.append(f"local stack up in {took:.1f}s; {steps} steps over {sessions} sessions, 3 events each")
             for processors in (("state",), ("steps",)):

@@ -189,7 +189,7 @@ class _Compiler:
     def _value(self, schema: Any, value: str, namespace: str) -> Code:
         """Code that checks the variable `value` and produces its encoding."""
         if isinstance(schema, list):
-            return self._union(schema, value)
+            return self._union(schema, value, namespace)
         if isinstance(schema, str):
             return self._primitive(schema, value) if schema in _PRIMITIVES else self._ref(schema, value)
         if not isinstance(schema, dict):
@@ -290,8 +290,24 @@ class _Compiler:
             value
         ]
 
-    def _union(self, branches: list[Any], value: str) -> Code:
-        """null + at most one primitive: the branch is the one fastavro's validation picks for these exact types."""
+    def _union(self, branches: list[Any], value: str, namespace: str = "") -> Code:
+        """null + at most one primitive: the branch is the one fastavro's validation picks for these exact types.
+
+        Also null + one record (a dict; a dict the record does not take raises _Mismatch, and fastavro decides).
+        """
+        if len(branches) == 2 and "null" in branches and self._is_record(branches[1 - branches.index("null")]):
+            null, record = branches.index("null"), 1 - branches.index("null")
+            out = self._var("u")
+            more, parts = self._value(branches[record], value, namespace)
+            return [
+                f"if {value} is None:",
+                f"    {out} = {zigzag_long(null)!r}",
+                f"elif type({value}) is dict:",
+                *_indent(more),
+                f"    {out} = b''.join(({zigzag_long(record)!r}, {', '.join(parts)}))",
+                "else:",
+                "    raise _Mismatch",
+            ], [out]
         kinds = [self._primitive_kind(b) for b in branches]
         if len(branches) > 2 or None in kinds or len(set(kinds)) != len(kinds):
             raise UnsupportedSchema(f"union {branches!r}: only null + one primitive type get a writer")
@@ -313,6 +329,11 @@ class _Compiler:
             stmts.append(f"    {out} = b''.join(({zigzag_long(index)!r}, {', '.join(parts)}))" if parts else
                          f"    {out} = {zigzag_long(index)!r}")  # fmt: skip
         return [*stmts, "else:", "    raise _Mismatch"], [out]
+
+    def _is_record(self, schema: Any) -> bool:
+        if isinstance(schema, str):
+            return self.named.get(schema, {}).get("type") == "record"
+        return isinstance(schema, dict) and schema.get("type") == "record"
 
     @staticmethod
     def _primitive_kind(schema: Any) -> str | None:
