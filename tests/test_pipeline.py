@@ -197,7 +197,7 @@ def test_a_crash_before_the_first_offset_commit_still_reads_the_whole_backlog(
 ) -> None:
     """A crash before any input offset is committed: the restart must read the whole backlog again.
 
-    That is where Faust + aiokafka lost records (see streams/start_positions.py); the loss needs a fetch racing
+    That is where Faust + aiokafka lost records (the fix: processors/faust_transport.py); the loss needs a fetch racing
     the table recovery, so this test does not reproduce it every time, but it covers the path.
     """
     rng = random.Random(31)
