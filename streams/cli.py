@@ -310,6 +310,75 @@ def schemas_register(
         console.print(f"{schema.name} ({schema.fingerprint:016x}) was already registered")
 
 
+node_types_app = typer.Typer(
+    help="State-graph node types: a JSON Schema per type, on the _<prefix>.node_types topic.", no_args_is_help=True
+)
+app.add_typer(node_types_app, name="node-types")
+
+
+@node_types_app.command("register")
+@friendly
+def node_types_register(
+    node_type: Annotated[str, typer.Argument(help="The node type, as deltas name it (e.g. memory).")],
+    path: Annotated[Path, typer.Argument(help="A JSON Schema file for the node's data.")],
+) -> None:
+    """Register a new version of a node type; a change that would invalidate existing nodes is refused, with a diff."""
+    from jsonschema.exceptions import SchemaError
+
+    from topics.node_types import IncompatibleNodeTypeError
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read a JSON Schema from {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a JSON Schema object")
+    try:
+        record = asyncio.run(_node_types(settings()).register(node_type, schema))
+    except SchemaError as exc:
+        raise UserError(f"{path} is not a valid JSON Schema: {exc.message}") from None
+    except IncompatibleNodeTypeError as exc:
+        err.print(
+            f"[red]error:[/red] node type {node_type!r}: breaking change refused: {'; '.join(exc.reasons)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        err.print(exc.diff, highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if record is None:
+        console.print(f"node type {node_type} is unchanged (this schema is its latest version)")
+    else:
+        console.print(f"registered node type {node_type} version {record.version}")
+
+
+@node_types_app.command("list")
+@friendly
+def node_types_list(
+    as_json: bool = typer.Option(False, "--json", help="Print each type's latest schema as JSON."),
+) -> None:
+    """Registered node types, their latest version and the properties they declare."""
+    types = asyncio.run(_node_types(settings()).load())
+    latest = [t for name in types.types() if (t := types.latest(name)) is not None]
+    if as_json:
+        for t in latest:
+            sys.stdout.write(json.dumps({"node_type": t.node_type, "version": t.version, "schema": t.schema}) + "\n")
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in ("node type", "version", "required", "properties"):
+        table.add_column(column)
+    for t in latest:
+        required = ", ".join(t.schema.get("required", [])) or "-"
+        table.add_row(t.node_type, str(t.version), required, ", ".join(sorted(t.schema.get("properties", {}))) or "-")
+    console.print(table)
+
+
+def _node_types(s: Settings):
+    from topics.catalog import TopicCatalog
+    from topics.node_types import NodeTypeRegistry
+
+    return NodeTypeRegistry(s.kafka_bootstrap_servers, TopicCatalog(s)["node_types"].name)
+
+
 policy_app = typer.Typer(help="Reward policies (specs per reward source) on the _<prefix>.reward_policies topic.",
                          no_args_is_help=True)  # fmt: skip
 app.add_typer(policy_app, name="policy")

@@ -89,3 +89,35 @@ def test_schemas_register_refuses_a_breaking_change_and_accepts_a_compatible_one
     listed = treadle(deployment, "schemas", "list")
     rows = [line for line in listed.stdout.splitlines() if "treadle.events.ToolResult" in line]
     assert len(rows) == 2
+
+
+def test_node_types_register_refuses_a_breaking_change_with_a_readable_diff(deployment, tmp_path) -> None:
+    def schema_file(name: str, schema: dict) -> str:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(schema))
+        return str(path)
+
+    v1 = {"type": "object", "properties": {"text": {"type": "string"}}, "additionalProperties": False}
+    first = treadle(deployment, "node-types", "register", "memory", schema_file("v1", v1))
+    assert first.returncode == 0, first.stderr
+    assert "registered node type memory version 1" in first.stdout
+    again = treadle(deployment, "node-types", "register", "memory", schema_file("v1", v1))
+    assert again.returncode == 0 and "unchanged" in again.stdout
+
+    breaking = {**v1, "required": ["text"]}
+    refused = treadle(deployment, "node-types", "register", "memory", schema_file("v2", breaking))
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error:") and "property 'text' became required" in refused.stderr
+    assert '+  "required": [' in refused.stderr and "Traceback" not in refused.stderr  # the unified diff
+
+    compatible = {**v1, "properties": {"text": {"type": "string"}, "score": {"type": "number"}}}  # a new field
+    done = treadle(deployment, "node-types", "register", "memory", schema_file("v3", compatible))
+    assert done.returncode == 0 and "version 2" in done.stdout, done.stderr
+    listed = treadle(deployment, "node-types", "list", "--json")
+    assert [json.loads(line)["version"] for line in listed.stdout.splitlines()] == [2]
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    unreadable = treadle(deployment, "node-types", "register", "memory", str(broken))
+    assert unreadable.returncode == 1 and unreadable.stderr.startswith("error: cannot read a JSON Schema")
+    assert len(unreadable.stderr.strip().splitlines()) == 1

@@ -5,7 +5,8 @@ beginning like the schema registry's, so they need no extra service. A new versi
 must accept every node the previous version accepted (BACKWARD, as for Avro): nodes already in the log must
 stay valid. A breaking change is refused with the reasons and a unified diff of the two schemas.
 
-Usage: `python -m topics.node_types register <type> <schema.json>` or `NodeTypeRegistry.register`.
+Usage: `treadle node-types register <type> <schema.json>` / `treadle node-types list` (streams/cli.py), or
+`NodeTypeRegistry.register`.
 """
 
 from __future__ import annotations
