@@ -1,4 +1,4 @@
-"""The Faust app: one intake agent over all input topics, feeding every registered processor.
+"""The Faust app: one intake over all input topics, in fetched batches, feeding every registered processor.
 
 Faust has no joins and no event time, so the join is ours: every input event of a session lands
 in the partition its session_id hashes to, and each processor keeps its state in RocksDB tables
@@ -43,6 +43,9 @@ OUTPUT_TOPICS = {
     "treadle.events.RewardSignal": "rewards",
     "treadle.derived.EvaluationMetric": "evaluation_metrics",
 }
+
+
+PRODUCER_BATCH_BYTES = 512 * 1024  # per output partition; one intake batch's outputs fit without waiting
 
 
 def faust_broker_url(bootstrap_servers: str) -> str:
@@ -102,10 +105,7 @@ class Pipeline:
         _current_event.set(weakref.ref(marker))
 
     def bind(self, event: InputEvent) -> None:
-        # Faust tables choose the RocksDB and changelog partition from current_event(), a context
-        # variable of this task. Set only that: Stream._set_current_event would also overwrite the
-        # attribute that take_events' background buffering reads, and swap events in the next batch.
-        _current_event.set(weakref.ref(event.event))
+        self.bind_partition(event.source.partition)
 
     async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
         log.error("processor %s failed on %s[%d]@%d: %r", processor, *_where(event.source), exc, exc_info=exc)
@@ -153,6 +153,10 @@ def build_pipeline(
         broker_session_timeout=15.0,
         broker_heartbeat_interval=3.0,
         producer_linger=0.005,  # batch output records; acks are awaited once per input batch
+        # aiokafka's send() waits while its partition's batch is full until the sender drains it (one request
+        # per broker in flight), so 16 KiB batches made a worker wait on round trips mid-batch.
+        producer_max_batch_size=PRODUCER_BATCH_BYTES,
+        broker_max_poll_records=settings.process_batch_size,  # the most records one intake batch folds
     )
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
@@ -173,21 +177,25 @@ def build_pipeline(
             attach(pipeline)
     inputs = app.topic(*[spec.name for spec in catalog.inputs], key_serializer="raw", value_serializer="raw")
 
-    @app.agent(inputs, name="intake")
-    async def intake(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(settings.process_batch_size, within=settings.process_batch_seconds):
-            await handle_batch(pipeline, events)
+    async def intake(messages: list[Any]) -> None:
+        try:
+            await handle_batch(pipeline, messages)
+        except Exception as exc:  # unacked, so redelivered after the restart
+            log.critical("the intake failed on a batch of %d input records, stopping: %r", len(messages), exc)
+            await app.crash(exc)
+            raise
 
+    app.deliver_in_batches(inputs, intake)
     return pipeline
 
 
-async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
-    """Decode and validate each event once, dead-letter the bad ones, hand the rest to the processors."""
+async def handle_batch(pipeline: Pipeline, messages: list[Any]) -> None:
+    """Decode and validate each record once, dead-letter the bad ones, hand the rest to the processors."""
     valid: list[InputEvent] = []
     metrics = pipeline.metrics
     read_in: Counter[tuple[str, str]] = Counter()
-    for event in events:
-        source = SourceMessage.of(event.message, timestamp_ms=int(event.message.timestamp * 1000))
+    for message in messages:
+        source = SourceMessage.of(message, timestamp_ms=int(message.timestamp * 1000))
         expected = pipeline.next_offsets.get((source.topic, source.partition))
         if expected is not None and source.offset > expected:
             # Input topics have no transactions or compaction, so offsets are contiguous: a jump means the
@@ -198,7 +206,7 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
         read = pipeline.intake.read(source)
         if isinstance(read, Accepted):
             read_in[(source.topic, read.schema_name)] += 1
-            valid.append(InputEvent(read.schema_name, read.record, source, event))
+            valid.append(InputEvent(read.schema_name, read.record, source))
             continue
         letter = read.dead_letter
         schema = letter.get("schema_name") or "unknown"
@@ -215,7 +223,7 @@ async def handle_batch(pipeline: Pipeline, events: list[faust.EventT]) -> None:
         try:
             await processor.process(mine, pipeline)
         except Exception as exc:
-            # Faust's take_events acks a batch even when its body raises, so a crash here would lose
-            # the batch; dead-letter it (with the raw bytes, replayable) and keep the partition moving.
+            # A processor bug must not stall every partition: dead-letter what it could not fold (with
+            # the raw bytes, replayable) and keep going.
             for event in mine:
                 await pipeline.failed(processor.name, event, exc)

@@ -1,8 +1,8 @@
 """What a processor is: something that folds validated input events into state and derived records.
 
-The worker's single Faust agent takes input in batches, decodes and validates each event once,
-then hands each processor the events whose schema it declared. A processor owns its Faust tables
-(created in `setup`) and publishes derived records through its `ProcessingContext`.
+The worker's intake takes input in fetched batches (processors/faust_transport.py), decodes and
+validates each event once, then hands each processor the events whose schema it declared. A processor
+owns its Faust tables (created in `setup`) and publishes derived records through its `ProcessingContext`.
 
 Batches matter for speed (one state write and one output per step per batch instead of per event),
 but Faust tables pick their RocksDB partition and changelog partition from "the current event";
@@ -28,7 +28,6 @@ class InputEvent:
     schema_name: str
     record: dict[str, Any]
     source: SourceMessage
-    event: Any  # the faust.EventT, for ctx.bind
 
     @property
     def session_key(self) -> bytes:

@@ -24,6 +24,7 @@ import faust
 
 from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
+from processors.decoded_rows import DecodedRows
 from processors.policy_topic import PolicyTopic
 from processors.reward_policy import PolicyBook, load_policy_file
 from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, is_episode_reward
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CLOSE = "close"
 POLICY_REFRESH_S = 5.0
+STEP_CACHE_SIZE = 20_000  # parsed step states kept between batches (a few KB each)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class StepProcessor:
         self._lock = asyncio.Lock()
         self._recent: dict[str, deque[float]] = {}  # spec key -> recent values, for rolling-mean imputation
         self.policy_topic: PolicyTopic | None = None
+        self._decoded: DecodedRows[StepState] = DecodedRows(STEP_CACHE_SIZE)
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = app.Table(
@@ -116,8 +119,7 @@ class StepProcessor:
             try:
                 if entry is None:
                     ctx.bind(event)
-                    stored = self.table.get(key)
-                    state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
+                    state = self._load(key) or StepState(key.decode())
                     state.partition = event.source.partition
                     entry = touched[key] = _Touched(state, event, self._not_woven(state))
                 joined_before = _joined_rewards(entry.state)
@@ -135,6 +137,9 @@ class StepProcessor:
             entry.changed |= self._settle(state, ctx)
             if entry.changed:
                 await table_writes.put(self.table, key, state.to_bytes(), entry.event, ctx)
+                self._decoded.wrote(key, state, self._generation())
+            else:
+                self._decoded.forget(key)  # a failed fold may have changed it without a write
             self._schedule(state)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
             await self._publish(state, entry.event.session_key, ctx, entry.not_woven)
@@ -169,15 +174,26 @@ class StepProcessor:
         for lid in sorted(due):
             key = lid.encode()
             ctx.bind_partition(partition)
-            stored = self.table.get(key)
-            if stored is None:
+            state = self._load(key)
+            if state is None:
                 continue
-            state = StepState.from_bytes(stored)
             not_woven = self._not_woven(state)
             if self._settle(state, ctx):
                 await table_writes.put_in_partition(self.table, key, state.to_bytes(), partition, ctx)
+                self._decoded.wrote(key, state, self._generation())
                 await self._publish(state, state.session_key, ctx, not_woven)
             self._schedule(state)
+
+    def _load(self, key: bytes) -> StepState | None:
+        """The step's state (the current event or partition must be bound), parsed once per generation."""
+        state = self._decoded.get(key, self._generation())
+        if state is None:
+            stored = self.table.get(key)
+            state = StepState.from_bytes(stored) if stored is not None else None
+        return state
+
+    def _generation(self) -> int:
+        return self.table.app.consumer_generation_id
 
     def _settle(self, state: StepState, ctx: ProcessingContext) -> bool:
         """Apply what the watermark implies now: close the window, report orphans. True if the state changed."""

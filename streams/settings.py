@@ -84,10 +84,8 @@ class Settings(BaseModel):
         "(`treadle processors` lists them: steps, state, safety, credit, safety_judge, llm_judge).",
     )
     process_batch_size: int = Field(
-        default=1000, description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch."
-    )
-    process_batch_seconds: float = Field(
-        default=0.05, description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch before folding it."
+        default=1000,
+        description="TREADLE_PROCESS_BATCH_SIZE: most input events the worker folds per batch (one fetch).",
     )
     reward_policy: Path | None = Field(
         default=None,

@@ -203,7 +203,7 @@ class Recorder(ProcessingContext):
 
 
 def input_event(schema_name: str, record: dict[str, Any]) -> InputEvent:
-    return InputEvent(schema_name, record, source=None, event=None)  # type: ignore[arg-type]
+    return InputEvent(schema_name, record, source=None)  # type: ignore[arg-type]
 
 
 def tool_result(lid: str, seq: int, output: str, error: str | None = None) -> dict[str, Any]:
