@@ -266,8 +266,12 @@ def _order(record: dict[str, Any]) -> tuple[int, str]:
 @dataclass
 class _Touched:
     step: PendingStep
-    event: InputEvent  # the step's latest event in this batch: dead-lettered if the call fails
+    event: InputEvent  # any event of the step (its session's partition and key)
     changed: bool = False
+    # What asks for a judgement in this batch, dead-lettered if the call fails: a tool result (a replayed one
+    # too: that is how a dead letter is retried), else a dispatch that completed the step. Not a duplicate
+    # dispatch, so a replay calls the judge once per step however the records fall into batches.
+    trigger: InputEvent | None = None
 
 
 # --- the processor -------------------------------------------------------------------------------------------------
@@ -320,11 +324,13 @@ class LlmJudge:
                     stored = self.table.get(key)
                     step = PendingStep.from_bytes(stored) if stored is not None else PendingStep()
                     entry = touched[key] = _Touched(step, event)
-                entry.event = event
-                entry.changed |= entry.step.fold(event.schema_name, event.record)
+                changed = entry.step.fold(event.schema_name, event.record)
+                entry.changed |= changed
+                if event.schema_name == RESULT or (changed and entry.trigger is None):
+                    entry.trigger = event
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
-        ready = [entry for entry in touched.values() if entry.step.ready]
+        ready = [entry for entry in touched.values() if entry.step.ready and entry.trigger is not None]
         verdicts = await asyncio.gather(
             *(client.judge(judge_request(e.step.dispatch, e.step.result)) for e in ready),  # type: ignore[arg-type]
             return_exceptions=True,
@@ -333,7 +339,8 @@ class LlmJudge:
             if isinstance(verdict, BaseException):
                 if not isinstance(verdict, Exception):
                     raise verdict  # cancellation: the worker is stopping
-                await ctx.failed(self.name, entry.event, verdict)
+                assert entry.trigger is not None
+                await ctx.failed(self.name, entry.trigger, verdict)
                 continue
             assert entry.step.dispatch is not None and entry.step.result is not None
             entry.step.judged(llm_signal(entry.step.dispatch, entry.step.result, verdict))
