@@ -126,9 +126,7 @@ async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, 
             watch.done_s = time.perf_counter() - started
 
         reader = asyncio.create_task(read_back())
-        for name, key, value in events:
-            await producer.send(name, value, key=key)
-        await producer.flush()
+        await _send_all(producer, events)
         watch.produced_s = time.perf_counter() - started
         try:
             await asyncio.wait_for(reader, max(1.0, timeout - watch.produced_s))
@@ -138,6 +136,59 @@ async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, 
     finally:
         await producer.stop()
         await consumer.stop()
+
+
+async def _send_all(producer: AIOKafkaProducer, events: list[tuple[str, bytes, bytes]]) -> None:
+    for name, key, value in events:
+        await producer.send(name, value, key=key)
+    await producer.flush()
+
+
+async def _preload(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-backlog"))
+    await producer.start()
+    try:
+        await _send_all(producer, events)
+    finally:
+        await producer.stop()
+
+
+def _backlog_run(
+    settings: Settings, steps: list[Step], events: list[tuple[str, bytes, bytes]], pin: bool, timeout: float, argv
+) -> Measurement:
+    """The same workload already in Kafka when the worker starts: its catch-up rate, timed from "ready" to
+    the last final Transition, with no load generator competing for the broker's core."""
+    from streams.worker import prepare_cluster
+
+    asyncio.run(prepare_cluster(settings))
+    asyncio.run(_preload(settings, events))
+    worker = BenchWorker(settings, pin, argv).start()
+    try:
+        worker.wait_ready(120)
+        cpu_before = cpu_seconds(worker.pid)
+        watch, _ = asyncio.run(_drive(settings, steps, [], timeout))
+        cpu_after = cpu_seconds(worker.pid)
+    finally:
+        worker.stop()
+    elapsed = watch.done_s if watch.done_s is not None else timeout
+    notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal"]
+    if cpu_before is not None and cpu_after is not None and elapsed > 0:
+        used = cpu_after - cpu_before
+        notes.append(f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core")
+        notes.append(f"= {1e6 * used / len(events):.0f} us of CPU per input event")
+    return Measurement(
+        SECTION,
+        "treadle worker, backlog",
+        "same worker and workload, input produced before the worker starts (catch-up after downtime)",
+        len(events),
+        "events",
+        elapsed,
+        baseline="raw consume+decode",
+        target=5000.0,
+        target_is_rate=True,
+        complete=watch.done_s is not None,
+        notes=notes if watch.done_s is not None else [f"TIMED OUT: {watch.final}/{len(steps)} steps final", *notes],
+    )
 
 
 def _wait_visible(settings: Settings, want: tuple[int, int, int], started: float, timeout: float):
@@ -153,6 +204,11 @@ def _wait_visible(settings: Settings, want: tuple[int, int, int], started: float
             return time.perf_counter() - started, last
         time.sleep(0.1)
     return None, last
+
+
+def rename(topic: str, old: Settings, new: Settings) -> str:
+    """The same topic under another deployment's prefix."""
+    return new.topic_prefix + topic.removeprefix(old.topic_prefix)
 
 
 def _py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
@@ -223,6 +279,7 @@ def worker_section(
     if cpu_before is not None and cpu_after is not None and elapsed > 0:
         used = cpu_after - cpu_before
         notes.append(f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core")
+        notes.append(f"= {1e6 * used / n:.0f} us of CPU per input event")
         notes.append(f"by thread: {busiest_threads(worker.pid, threads_before, threads_after)}")
     if watch.over_revision or watch.repeats:
         notes.append(
@@ -244,6 +301,15 @@ def worker_section(
         notes=notes if watch.done_s is not None else [f"TIMED OUT: {watch.final}/{len(steps)} steps final", *notes],
     )
     results = [measured]
+    backlog = settings.model_copy(
+        update={
+            "topic_prefix": f"{settings.topic_prefix}b",
+            "app_id": f"{settings.app_id}b",
+            "home": settings.home.with_name(f"{settings.home.name}-backlog"),
+        }
+    )
+    results.append(_backlog_run(backlog, steps, [(rename(t, settings, backlog), k, v) for t, k, v in encoded], pin,
+                                timeout, worker_argv))  # fmt: skip
     if clickhouse and watch.done_s is not None:
         results.append(
             Measurement(

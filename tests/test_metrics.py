@@ -71,7 +71,10 @@ def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
     def settled() -> dict | None:
         samples = scrape(deployment)
         raw_rows = total(samples, "treadle_sink_batch_rows_sum", table="raw_events")
-        return samples if raw_rows == len(events) else None
+        # Watermark lag and open steps are set by the window timer (every TREADLE_WINDOW_TICK_S), which may
+        # not have run since the last batch.
+        ticked = any(n == "treadle_watermark_lag_seconds" for n, _ in samples)
+        return samples if raw_rows == len(events) and ticked else None
 
     samples = wait_for(settled, 60, "the sink's raw_events inserts in /metrics")
     for (topic, schema), n in sent.items():
