@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from processors.faust_transport import ResumingApp
 from processors.intake import Accepted, Intake, SourceMessage
 from processors.plugins import ProcessorRegistry
 from processors.validation import InputValidator
+from streams.batching import key_hash
 from streams.metrics import WorkerMetrics
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
@@ -45,6 +47,7 @@ OUTPUT_TOPICS = {
 }
 
 
+KEY_HASH_CACHE = 100_000  # session keys whose murmur2 is remembered
 PRODUCER_BATCH_BYTES = 512 * 1024  # per output partition; one intake batch's outputs fit without waiting
 
 
@@ -77,6 +80,9 @@ class Pipeline:
     _crash: asyncio.Future[Any] | None = None
     _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
     _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)
+    _topic_tokens: dict[str, int] = field(default_factory=dict)  # output topic -> the token its deliveries carry
+    _partition_counts: dict[str, int] = field(default_factory=dict)
+    _key_hashes: dict[bytes, int] = field(default_factory=dict)  # session key -> murmur2 (sessions repeat)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         topic = self.outputs[schema_name]
@@ -87,18 +93,39 @@ class Pipeline:
         counter.inc()
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
-        # Straight to Faust's producer (no channel machinery). Faust flushes the producer before it
-        # commits input offsets, so an output is on the broker before its inputs count as done; a send
-        # that still fails (after the producer's retries) crashes the worker rather than losing it.
-        future = await self.app.producer.send(topic, key, value, partition, None, None)
-        future.add_done_callback(lambda sent: self._on_sent(topic, sent))
+        # Appended to per-partition batches of Faust's producer (processors/faust_transport.BatchingProducer).
+        # Faust flushes the producer before it commits input offsets, so an output is on the broker before
+        # its inputs count as done; a record that still fails (after the producer's retries) crashes the
+        # worker rather than losing it.
+        if partition is None:
+            partition = self._partition_for(topic, key)
+        token = self._topic_tokens.setdefault(topic, len(self._topic_tokens))
+        await self.app.producer.append(topic, partition, key, value, self._on_delivered, token)
 
-    def _on_sent(self, topic: str, future: asyncio.Future[Any]) -> None:
-        if future.cancelled() or future.exception() is None:
+    def _partition_for(self, topic: str, key: bytes | None) -> int:
+        """Kafka's default partition for the key (murmur2, as Faust, aiokafka and Java clients compute it)."""
+        partitions = self._partition_counts.get(topic)
+        if partitions is None:
+            spec = self.catalog.by_name(topic)
+            if spec is None:
+                raise ValueError(f"{topic} is not a topic of the catalog: send to it with an explicit partition")
+            partitions = self._partition_counts[topic] = spec.partitions
+        if key is None:
+            return random.randrange(partitions)
+        hashed = self._key_hashes.get(key)
+        if hashed is None:
+            if len(self._key_hashes) >= KEY_HASH_CACHE:
+                self._key_hashes.clear()
+            hashed = self._key_hashes[key] = key_hash(key)
+        return hashed % partitions
+
+    def _on_delivered(self, token: int, error: BaseException | None) -> None:
+        if error is None or self._crash is not None:
             return
+        topic = next(name for name, t in self._topic_tokens.items() if t == token)
         self.metrics.producer_errors.labels(topic).inc()
-        log.critical("an output could not be produced, stopping so its input is redelivered: %r", future.exception())
-        self._crash = asyncio.ensure_future(self.app.crash(future.exception()))
+        log.critical("an output could not be produced, stopping so its input is redelivered: %r", error)
+        self._crash = asyncio.ensure_future(self.app.crash(error))
 
     def bind_partition(self, partition: int) -> None:
         marker = self._partition_markers.setdefault(partition, _PartitionMarker(partition))

@@ -42,6 +42,8 @@ from typing import Any
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from streams.batching import DeliveryCallback, PartitionBatcher
+
 log = logging.getLogger(__name__)
 
 FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also the idle fetch period)
@@ -154,8 +156,41 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 await self.seek(tp, resume)
 
 
+class BatchingProducer(faust_aiokafka.Producer):
+    """Faust's producer, plus `append`: records gathered into per-partition batches (streams/batching.py).
+
+    aiokafka's `send()` cost about 24 µs per record, and a worker sends two or three records per input event
+    (outputs and changelog writes): a third of its CPU. Appending to a batch costs a fraction of that, and
+    the batches go through the same producer (acks, retries, idempotence). `flush()` hands the open
+    batches over first, so Faust's flush before an offset commit still covers every record appended.
+    """
+
+    _batcher: PartitionBatcher | None = None
+
+    async def append(
+        self, topic: str, partition: int, key: bytes | None, value: bytes | None, owner: DeliveryCallback, token: int
+    ) -> None:
+        """Queue a record for `partition`; `owner(token, error)` hears its outcome (error None when acked)."""
+        batcher = self._batcher
+        if batcher is None:
+            batcher = self._batcher = PartitionBatcher(self._ensure_producer())
+        while batcher.append(topic, partition, key, value, owner, token) is None:
+            await batcher.room(topic, partition)  # the partition's batch is full and the one before is not taken
+
+    async def flush(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.handed_over()
+        await super().flush()
+
+    async def on_stop(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.handed_over()
+        await super().on_stop()
+
+
 class ResumingTransport(faust_aiokafka.Transport):
     Consumer = ResumingConsumer
+    Producer = BatchingProducer
 
 
 class ResumingApp(faust.App):

@@ -102,7 +102,7 @@ class PartitionBatcher:
         return batcher
 
     def append(
-        self, topic: str, partition: int, key: bytes, value: bytes, owner: DeliveryCallback, token: int
+        self, topic: str, partition: int, key: bytes | None, value: bytes | None, owner: DeliveryCallback, token: int
     ) -> Batch | None:
         """Add a record to its partition's open batch; None when that batch is full (`await room(...)`, retry).
 
@@ -111,7 +111,7 @@ class PartitionBatcher:
         """
         if self._closed is not None:
             raise ProducerClosed(str(self._closed))
-        if len(key) + len(value) + _SIZE_SLACK > self.max_request_size:
+        if len(key or b"") + len(value or b"") + _SIZE_SLACK > self.max_request_size:
             size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, [])
             if size > self.max_request_size:
                 raise MessageSizeTooLargeError(
@@ -131,6 +131,12 @@ class PartitionBatcher:
             return None
         batch.entries.append((owner, token))
         return batch
+
+    async def handed_over(self) -> None:
+        """Wait until every record appended so far is in the producer's accumulator, so its flush() covers it."""
+        tasks = [state.task for state in self._partitions.values() if state.task is not None]
+        if tasks:
+            await asyncio.gather(*(asyncio.shield(task) for task in tasks))
 
     async def room(self, topic: str, partition: int) -> None:
         """Wait until the partition's full batch is taken by the producer (then `append` has room again)."""
