@@ -156,6 +156,10 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 await self.seek(tp, resume)
 
 
+class ProducerFlushError(RuntimeError):
+    """An appended record was not acked: what it derived from must be processed again."""
+
+
 class BatchingProducer(faust_aiokafka.Producer):
     """Faust's producer, plus `append`: records gathered into per-partition batches (streams/batching.py).
 
@@ -178,9 +182,12 @@ class BatchingProducer(faust_aiokafka.Producer):
             await batcher.room(topic, partition)  # the partition's batch is full and the one before is not taken
 
     async def flush(self) -> None:
+        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets)."""
         if self._batcher is not None:
             await self._batcher.handed_over()
         await super().flush()
+        if self._batcher is not None and self._batcher.failed is not None:
+            raise ProducerFlushError(f"a record could not be produced: {self._batcher.failed!r}")
 
     async def on_stop(self) -> None:
         if self._batcher is not None:

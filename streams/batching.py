@@ -91,6 +91,7 @@ class PartitionBatcher:
         # aiokafka keeps it private; send() refuses records above it, so the batcher must too
         self.max_request_size = int(getattr(producer, "_max_request_size", AIOKAFKA_MAX_REQUEST_SIZE))
         self._closed: BaseException | None = None
+        self.failed: BaseException | None = None  # the first delivery error (a flush must not look like success)
 
     @classmethod
     def for_producer(cls, producer: AIOKafkaProducer) -> PartitionBatcher:
@@ -173,9 +174,14 @@ class PartitionBatcher:
             batch.finish(ProducerClosed("the stream stopped before this batch reached the producer"))
             raise
         except Exception as exc:
-            batch.finish(exc)
+            self._finished(batch, exc)
             return
-        delivery.add_done_callback(lambda future: batch.finish(_error(future)))
+        delivery.add_done_callback(lambda future: self._finished(batch, _error(future)))
+
+    def _finished(self, batch: Batch, error: BaseException | None) -> None:
+        if error is not None and self.failed is None:
+            self.failed = error
+        batch.finish(error)
 
     def abort(self, error: KafkaError) -> None:
         """Fail every batch not yet handed over and stop the hand-over tasks (the producer is being stopped)."""

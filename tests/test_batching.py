@@ -18,7 +18,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streams.batching import default_partition
+from streams.batching import PartitionBatcher, default_partition
 from streams.producer import create_producer
 from streams.sdk import AgentStream, ProducerError
 from streams.settings import Settings
@@ -165,3 +165,35 @@ async def test_a_batch_the_broker_refuses_is_reported_event_by_event(deployment:
     actions = [r for kind, _, r in await read_all(deployment, codec, ("actions",)) if kind == "actions"]
     mine = [r["envelope"]["logical_event_id"] for r in actions if r["envelope"]["agent_id"] == "refused"]
     assert mine == [ok.logical_event_id]
+
+
+async def _batched(deployment: Settings, values: list[bytes], **options) -> tuple[PartitionBatcher, dict]:
+    """Append `values` to partition 0 of the deployment's actions topic; hand over and flush like the worker."""
+    producer = create_producer(deployment, **options)
+    await producer.start()
+    outcomes: dict[int, BaseException | None] = {}
+    try:
+        batcher = PartitionBatcher(producer)
+        topic = TopicCatalog(deployment)["actions"].name
+        for token, value in enumerate(values):
+            while batcher.append(topic, 0, b"worker", value, outcomes.__setitem__, token) is None:
+                await batcher.room(topic, 0)
+        await batcher.handed_over()  # then the producer's own flush covers every record
+        await producer.flush()
+        await asyncio.sleep(0)  # delivery callbacks run right after the flush's futures resolve
+    finally:
+        await producer.stop()
+    return batcher, outcomes
+
+
+async def test_a_flush_after_handed_over_covers_every_appended_record(deployment: Settings) -> None:
+    _, outcomes = await _batched(deployment, [b"probe"] * 300)
+    assert outcomes == dict.fromkeys(range(300))  # every record acked (error None), none left behind
+
+
+async def test_the_batcher_remembers_a_batch_the_broker_refused(deployment: Settings) -> None:
+    batcher, outcomes = await _batched(
+        deployment, [b"probe" * 800] * 400, max_batch_size=2_000_000, max_request_size=4_000_000
+    )
+    assert batcher.failed is not None, "a worker's flush must not look like success"
+    assert len(outcomes) == 400 and all(error is not None for error in outcomes.values())
