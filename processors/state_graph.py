@@ -6,8 +6,15 @@ producer writes each topic partition in seq order, so an event with seq s can be
 three topics has shown a seq >= s for the session (the *watermark*): until then it waits in a reorder buffer.
 Applied order is therefore (seq, event_id) whatever the arrival order. The buffer is released early only by
 (a) a flush the caller decides (the oldest buffered event waited long enough; see `flush`), (b) a lifecycle
-event (everything below its seq), or (c) the bounds `max_buffer` / `max_buffer_bytes`. An event whose seq is
-below what was already applied is *late*: it is applied at the head, in arrival order, flagged, never dropped.
+event other than an end (everything below its seq), or (c) the bounds `max_buffer` / `max_buffer_bytes`. An
+event whose seq is below what was already applied is *late*: it is applied at the head, in arrival order,
+flagged, never dropped.
+
+End. SESSION_CLOSED / SESSION_ARCHIVED waits in the buffer like any event, so deltas the agent emitted before
+it that are still in flight on the other topics are applied first (within the flush wait); once released it
+marks the session ended (`SessionState.ended`, its seq). Events after the end make no version: they are
+refused with a reason (dead letters), lifecycle events are ignored. The caller may then drop the session's
+graph from its store (the worker does; processors/state_processor.py): only the small SessionState remains.
 
 Duplicates. Because each topic delivers a session's events in seq order, an event whose seq is not above the
 last seq seen on its topic (`heads`) is a redelivery: it is ignored. Dedup state is therefore a few integers
@@ -48,6 +55,7 @@ STATE_VERSION = "treadle.derived.StateVersion"
 # Topics whose per-session seq heads make up the watermark.
 ORDERED = (DELTA, DISPATCH, RESULT)
 _FLUSHING_LIFECYCLE = frozenset({"EPISODE_ENDED", "SESSION_PAUSED", "SESSION_CLOSED", "SESSION_ARCHIVED"})
+ENDING_LIFECYCLE = frozenset({"SESSION_CLOSED", "SESSION_ARCHIVED"})
 
 
 class StateError(ValueError):
@@ -215,6 +223,7 @@ class SessionState:
     buffer: list[Pending] = field(default_factory=list)  # sorted by (seq, event_id)
     flushes: list[Flush] = field(default_factory=list)  # decided, waiting for their events (replays only)
     next_expiry: int | None = None  # earliest TTL in the store's heap, so the heap is read only when due
+    ended: int | None = None  # seq of the SESSION_CLOSED/ARCHIVED that ended the session; nothing applies after
 
     def __post_init__(self) -> None:
         if not self.version_id:
@@ -233,6 +242,7 @@ class SessionState:
             "b": [[p.seq, p.event_id, p.schema, p.record, p.size] for p in self.buffer],
             "f": [[f.upto, f.seen] for f in self.flushes],
             "x": self.next_expiry,
+            "z": self.ended,
         }
 
     @classmethod
@@ -249,6 +259,7 @@ class SessionState:
             buffer=[Pending(*p) for p in d["b"]],
             flushes=[Flush(u, s) for u, s in d["f"]],
             next_expiry=d["x"],
+            ended=d.get("z"),
         )
 
     def to_bytes(self) -> bytes:
@@ -260,6 +271,12 @@ class SessionState:
 
     def buffer_bytes(self) -> int:
         return sum(p.size for p in self.buffer)
+
+    def ended_reason(self) -> str:
+        return (
+            f"session {self.session_id} ended (closed at seq {self.ended}, final version {self.version_id}); "
+            "events after the end are not applied"
+        )
 
 
 Rejected = tuple[str, dict[str, Any], str]  # (schema, record, reason)
@@ -302,11 +319,17 @@ class StateFold:
             return FoldOutput(duplicate=True)
         state.heads[schema] = seq
         out = FoldOutput()
+        if state.ended is not None:
+            if apply and schema != LIFECYCLE:
+                out.rejected.append((schema, record, state.ended_reason()))
+            return out
+        ending = schema == LIFECYCLE and record.get("kind") in ENDING_LIFECYCLE
         if schema == LIFECYCLE:
-            if apply and record.get("kind") in _FLUSHING_LIFECYCLE:
+            if apply and record.get("kind") in _FLUSHING_LIFECYCLE and not ending:
                 out.extend(self._release(state, store, lambda p: p.seq < seq))
-            return out.extend(self._after_heads(state, store))
-        if apply and (self.config.auto_nodes or schema == DELTA):
+            if not (apply and ending):
+                return out.extend(self._after_heads(state, store))
+        if apply and (self.config.auto_nodes or schema == DELTA or ending):
             pending = Pending(seq, event_id, schema, record, len(orjson.dumps(record)))
             if seq <= state.applied_seq:  # late: its place in the order has passed
                 self._apply_one(state, store, pending, out, late=True)
@@ -338,7 +361,7 @@ class StateFold:
         """The flush to decide now for a session whose buffer waited too long (None if it is empty)."""
         if not state.buffer:
             return None
-        return Flush(upto=state.buffer[-1].seq, seen={t: state.heads.get(t, -1) for t in ORDERED})
+        return Flush(upto=state.buffer[-1].seq, seen={t: state.heads.get(t, -1) for t in (*ORDERED, LIFECYCLE)})
 
     def flush(self, state: SessionState, store: GraphStore, request: Flush) -> FoldOutput:
         """Apply a decided flush now if its events are all here, else keep it until they are."""
@@ -375,6 +398,16 @@ class StateFold:
         return out
 
     def _apply_one(self, state: SessionState, store: GraphStore, pending: Pending, out: FoldOutput, *, late: bool):
+        if pending.schema == LIFECYCLE:  # an ending lifecycle event (the only kind buffered)
+            if state.ended is None:  # what still waits came after the end: refused now, not kept
+                state.ended = pending.seq
+                reason = state.ended_reason()
+                out.rejected += [(p.schema, p.record, reason) for p in state.buffer if p.schema != LIFECYCLE]
+                state.buffer, state.flushes = [], []
+            return
+        if state.ended is not None:
+            out.rejected.append((pending.schema, pending.record, state.ended_reason()))
+            return
         state.applied_seq = max(state.applied_seq, pending.seq)
         try:
             out.versions.append(self.apply(state, store, pending.schema, pending.record, late=late))

@@ -20,6 +20,14 @@ flush request (with each topic's head) to the internal `<app id>-state-ticks` to
 partition; this processor's agent applies it under the same commit protocol. Being in the log, a flush
 replays; its heads make it release on a replay exactly what it released the first time.
 
+Ending a session. SESSION_CLOSED/ARCHIVED ends a session once released (processors/state_graph.py). The
+commit that ends it is acked first (its record, with `ended` set, is the marker), then its versions are
+flushed, then every key of the session in `state-graph` gets a changelog tombstone, acked before the local
+RocksDB entries go; every later commit of an ended session (and its first load after a restart) repeats
+that purge of whatever keys are left, so a crash in between only delays it. What remains per ended session
+is its small commit record: the marker that sends later events to dead letters ("session ... ended") and
+recognises redeliveries. The session's Redis keys get an expiry of `state_ended_ttl_s`.
+
 Latest state goes to Redis after every commit (streams/state_cache.py); when the cache lost a session (a
 gap) or was wiped (no epoch key), the timer rewrites the sessions this worker owns from the tables.
 """
@@ -55,7 +63,7 @@ from processors.state_graph import (
     StateFold,
     apply_changes,
 )
-from processors.state_store import TableGraphStore, session_items
+from processors.state_store import TableGraphStore, session_items, session_keys
 from streams.settings import Settings
 from streams.state_cache import StateCache, connect
 from topics.catalog import TopicCatalog
@@ -314,6 +322,31 @@ class StateProcessor:
             except Exception as exc:  # Redis down: the tables are the truth; rebuild when it is back
                 log.warning("could not update the state cache: %s", exc)
                 self._gaps |= {v["session_id"] for v in versions}
+        for work in works:
+            if work.state.ended is not None:
+                await self._purge(work, ctx)
+
+    async def _purge(self, work: _Work, ctx: ProcessingContext) -> None:
+        """Delete an ended (committed) session's graph: tombstones acked first, then the local entries."""
+        assert self.app is not None and self.settings is not None
+        self._waiting.pop(work.session, None)
+        self._gaps.discard(work.session)
+        keys = session_keys(self.graph, work.partition, work.session)
+        if not keys:
+            return  # purged already: the common case for a late event of an ended session
+        await self.app.producer.flush()  # the session's versions and dead letters are out before its keys go
+        topic = self.graph.changelog_topic.get_topic_name()
+        for key in keys:
+            await ctx.send(topic, key, None, partition=work.partition)
+        await self.app.producer.flush()
+        for key in keys:
+            table_writes.delete_local(self.graph, key, work.partition, ctx)
+        log.info("state of ended session %s dropped (%d keys)", work.session, len(keys))
+        if self.cache is not None:
+            try:
+                await self.cache.expire(work.session, self.settings.state_ended_ttl_s)
+            except Exception as exc:
+                log.warning("could not expire the cached state of %s: %s", work.session, exc)
 
     def _remember(self, session: str, state: SessionState) -> None:
         self._states[session] = state
@@ -418,6 +451,8 @@ class StateProcessor:
                 partition = (murmur2(session.encode()) & 0x7FFFFFFF) % self.settings.partitions
                 work = self._open(session, partition)
                 await self._commit([work], ctx)  # re-materializes (and re-publishes) a restored last commit
+                if work.state.ended is not None:
+                    continue  # its graph is gone; so is (or soon will be) its cached state
                 nodes = [(n, NodeRec.from_dict(orjson.loads(v))) for n, v in session_items(self.graph, partition,
                          session, "n")]  # fmt: skip
                 edges = []

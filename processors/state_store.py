@@ -128,6 +128,17 @@ def _encode(value: Any) -> bytes:
     return orjson.dumps(value)
 
 
+def session_keys(table: Any, partition: int, session: str) -> list[bytes]:
+    """Every key of one session (nodes, edges, versions, TTL heap): what ending the session deletes."""
+    prefix = f"{session}\0".encode()
+    keys = []
+    for key in partition_db(table, partition).keys(from_key=prefix):
+        if not key.startswith(prefix):
+            break
+        keys.append(key)
+    return keys
+
+
 def session_items(table: Any, partition: int, session: str, kind: str) -> Iterator[tuple[str, bytes]]:
     """(key suffix, raw value) of one session's keys of one kind (n, e, v), in key order."""
     prefix = f"{session}\0{kind}\0".encode()

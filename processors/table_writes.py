@@ -55,3 +55,9 @@ def write_local(table: Any, key: bytes, value: bytes, partition: int, ctx: Proce
     """The RocksDB half of put_in_partition (its changelog record was sent and acked already)."""
     ctx.bind_partition(partition)
     table.data[key] = value
+
+
+def delete_local(table: Any, key: bytes, partition: int, ctx: ProcessingContext) -> None:
+    """The RocksDB half of delete_in_partition (its tombstone was sent and acked already)."""
+    ctx.bind_partition(partition)
+    table.data.pop(key, None)

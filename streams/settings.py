@@ -163,6 +163,11 @@ class Settings(BaseModel):
     state_history: int = Field(
         default=256, description="TREADLE_STATE_HISTORY: versions per session that rollback_to can reach."
     )
+    state_ended_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="TREADLE_STATE_ENDED_TTL_S: how long a closed session's latest state stays in Redis.",
+    )
     tool_schemas: Path | None = Field(
         default=None,
         description="TREADLE_TOOL_SCHEMAS: JSON file {tool: JSON Schema} checked at the processor boundary.",

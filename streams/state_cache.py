@@ -132,6 +132,13 @@ class StateCache:
         pipe.hset(meta_key, mapping={k: str(v) for k, v in meta.items()})
         await pipe.execute()
 
+    async def expire(self, session: str, seconds: float) -> None:
+        """Let an ended session's latest state go after `seconds` (no version will refresh it)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in _keys(self.prefix, session):
+            pipe.pexpire(key, max(1, int(seconds * 1000)))
+        await pipe.execute()
+
     async def mark_filled(self) -> None:
         await self.client.set(epoch_key(self.prefix), b"1")
 

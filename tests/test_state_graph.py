@@ -352,6 +352,7 @@ def test_ttl_expiry_closes_the_interval_at_the_expiry_time():
     assert ended[0]["valid_to"] == T0 + 5_000_000 and ended[0]["to_ordinal"] == 2 and ended[0]["from_ordinal"] == 1
     opened = next(r for t, r in rows_for("state_versions", v1) if t == "state_nodes")
     assert opened["expires_at"] == T0 + 5_000_000 and state.next_expiry is None
+    assert store.get_node(SESSION, "m") is None and store.expiries[SESSION] == []  # gone from the store too
 
 
 def test_unknown_rollback_target_and_too_many_nodes_are_refused_without_changing_state():
@@ -414,8 +415,41 @@ def test_redeliveries_are_recognised_by_seq_per_topic():
 def test_lifecycle_end_releases_the_buffer_below_its_seq():
     fold, state, store = StateFold(), SessionState(SESSION), MemoryStore()
     assert fold.accept(state, store, DELTA, delta(0, T0, ups=[("a", "n", {}, None)])).versions == []
-    end = {"envelope": env(3, T0), "kind": "SESSION_CLOSED", "done": True, "truncated": False, "reason": None}
+    end = {"envelope": env(3, T0), "kind": "EPISODE_ENDED", "done": True, "truncated": False, "reason": None}
     assert len(fold.accept(state, store, LIFECYCLE, end).versions) == 1
+
+
+def lifecycle(seq: int, kind: str = "SESSION_CLOSED") -> dict[str, Any]:
+    return {"envelope": env(seq, T0 + seq), "kind": kind, "done": True, "truncated": False, "reason": None}
+
+
+def test_a_closed_session_applies_what_came_before_the_close_and_refuses_what_comes_after():
+    fold, state, store = StateFold(), SessionState(SESSION), MemoryStore()
+    fold.accept(state, store, DELTA, delta(2, T0, ups=[("b", "n", {}, None)]))
+    # The close waits in seq order (no early release): a delta emitted before it may still be in flight.
+    assert fold.accept(state, store, LIFECYCLE, lifecycle(4)).versions == [] and state.ended is None
+    in_flight = fold.accept(state, store, DISPATCH, dispatch(0, T0, "step-0", "search"))
+    assert in_flight.versions == []  # not late: applied before the delta with seq 2
+    after = fold.accept(state, store, DELTA, delta(6, T0, ups=[("c", "n", {}, None)]))
+    assert after.versions == [] and len(state.buffer) == 4
+    out = fold.flush(state, store, fold.flush_request(state))
+    assert [v["seq"] for v in out.versions] == [0, 2] and not any(v["late"] for v in out.versions)
+    assert state.ended == 4
+    assert [r[1]["envelope"]["seq"] for r in out.rejected] == [6] and "ended" in out.rejected[0][2]
+    assert state.buffer == [] and set(state_of(store, SESSION)[0]) == {"action:step-0", "b"}
+    late = fold.accept(state, store, DISPATCH, dispatch(7, T0, "step-7", "search"))
+    assert late.versions == [] and "ended" in late.rejected[0][2]
+    assert fold.accept(state, store, DELTA, delta(6, T0)).duplicate  # a redelivery is still just a duplicate
+    assert fold.accept(state, store, LIFECYCLE, lifecycle(9, "SESSION_ARCHIVED")).rejected == []
+    again = SessionState.from_bytes(state.to_bytes())
+    assert again.ended == 4 and fold.accept(again, store, DELTA, delta(8, T0)).rejected
+
+
+def test_a_close_after_higher_seqs_were_applied_ends_the_session_at_once():
+    fold, state, store = StateFold(FoldConfig(auto_nodes=False)), SessionState(SESSION), MemoryStore()
+    assert fold.accept(state, store, DELTA, delta(5, T0, ups=[("a", "n", {}, None)])).versions
+    fold.accept(state, store, LIFECYCLE, lifecycle(3))
+    assert state.ended == 3 and fold.accept(state, store, DELTA, delta(6, T0)).rejected
 
 
 def test_buffer_bounds_release_the_oldest():

@@ -2,7 +2,8 @@
 
 Workloads come from tests/test_state_graph.py (random deltas, auto nodes, rollbacks, TTL, deletes), and are
 sent with the three topics interleaved at random and duplicates; the state at every version, read back from
-ClickHouse, and the latest state in Redis must equal the in-memory oracle.
+ClickHouse, and the latest state in Redis must equal the in-memory oracle. A closed session leaves the worker's
+tables (tombstones in the changelog) and Redis, and keeps its history in ClickHouse.
 """
 
 from __future__ import annotations
@@ -11,21 +12,23 @@ import asyncio
 import random
 import time
 
+import orjson
 import pytest
 import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from processors.state_graph import MemoryStore, SessionState, StateFold
+from processors.state_graph import LIFECYCLE, MemoryStore, SessionState, StateFold
 from streams.settings import Settings
 from streams.sql_client import run_sql
 from streams.state_cache import StateCache, connect, redis_url
 from streams.state_history import state_at
 from tests.factories import RawProducer, wait_for
-from tests.test_state_graph import DELTA, DISPATCH, RESULT, arrival, build
+from tests.test_state_graph import DELTA, DISPATCH, RESULT, arrival, build, delta, env
 
 pytestmark = pytest.mark.integration
 
 T0 = int(time.time() * 1_000_000) + 600_000_000  # ahead of the wall clock, so Redis field TTLs have not run out
-KIND = {DELTA: "state_deltas", DISPATCH: "actions", RESULT: "tool_results"}
+KIND = {DELTA: "state_deltas", DISPATCH: "actions", RESULT: "tool_results", LIFECYCLE: "lifecycle"}
 
 
 def random_ops(rng: random.Random, n: int) -> list[tuple]:
@@ -201,3 +204,96 @@ def test_kill_9_leaves_no_missing_or_duplicate_versions(deployment, worker_facto
         )
         rows = version_rows(deployment, session)
         assert {tuple(r) for r in rows} == {tuple(r) for r in expected}  # no stray version from a divergent replay
+
+
+def changelog_last(settings: Settings, table: str, prefix: bytes) -> dict[bytes, bytes | None]:
+    """The last changelog record (None: a tombstone) of each key of a processor table that starts with prefix."""
+
+    async def read() -> dict[bytes, bytes | None]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            topic = f"{settings.app_id}-{table}-changelog"
+            tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            remaining = {tp for tp in tps if end[tp] > 0}
+            last: dict[bytes, bytes | None] = {}
+            deadline = time.monotonic() + 30
+            while remaining and time.monotonic() < deadline:
+                for tp, messages in (await consumer.getmany(timeout_ms=500)).items():
+                    for m in messages:
+                        if m.key.startswith(prefix):
+                            last[m.key] = m.value
+                        if m.offset + 1 >= end[tp]:
+                            remaining.discard(tp)
+            assert not remaining, f"did not reach the end of {remaining}"
+            return last
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(read())
+
+
+def close_event(session: str, seq: int, t: int) -> tuple[str, dict]:
+    record = {"envelope": env(seq, t, session=session), "kind": "SESSION_CLOSED", "done": True, "truncated": False,
+              "reason": "done", "reward": None, "steps": None}  # fmt: skip
+    return LIFECYCLE, record
+
+
+def dead_letter_reasons(settings: Settings, session: str) -> list[str]:
+    _, rows = run_sql(settings, f"SELECT reason FROM dead_letters_latest WHERE session_id = '{session}'")
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["clean", "kill_9"])
+def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(deployment, worker_factory, crash):
+    """SESSION_CLOSED (sent before the session's last events arrive): every version is still made, then each of
+    the session's keys in the state-graph table ends in a tombstone, its Redis keys expire, state_at still
+    answers from ClickHouse and a later event goes to dead letters. kill_9: the worker dies once the versions are
+    in ClickHouse and a restarted one recovers the tables without bringing the session back."""
+    settings = deployment.model_copy(update={"state_ended_ttl_s": 2.0})
+    (closed, events, oracle, ids), (still_open, open_events, _, open_ids) = workloads(31, 2, 30, settings.topic_prefix)
+    last_seq = events[-1][1]["envelope"]["seq"]
+    rng = random.Random(3)
+    arrived = arrival(events, rng, 0.1)
+    arrived.insert(len(arrived) - 4, close_event(closed, last_seq + 1, oracle.time))  # ahead of events below it
+    worker = worker_factory(settings).start()
+    worker.wait_ready()
+    asyncio.run(send(settings, [*arrived, *arrival(open_events, rng, 0.1)]))
+    for session, session_ids in ((closed, ids), (still_open, open_ids)):
+        expected = [[i, v] for i, v in enumerate(session_ids) if i > 0]
+        wait_for(lambda s=session, e=expected: distinct_versions(settings, s) == e, 90, f"versions of {session}")
+    if crash:
+        worker.kill()
+        worker_factory(settings).start().wait_ready()
+
+    prefix = f"{closed}\0".encode()
+
+    def purged() -> bool:
+        last = changelog_last(settings, "state-graph", prefix)
+        return bool(last) and all(v is None for v in last.values())
+
+    wait_for(purged, 60, f"tombstones for every key of {closed}")
+    graph_keys = changelog_last(settings, "state-graph", prefix)
+    assert any(k.startswith(prefix + b"n\0") for k in graph_keys) and any(b"\0v\0" in k for k in graph_keys)
+    (marker,) = changelog_last(settings, "state-sessions", closed.encode()).values()
+    state = orjson.loads(marker)["state"]
+    assert state["z"] == last_seq + 1 and state["v"] == ids[-1] and state["b"] == []
+    kept = changelog_last(settings, "state-graph", f"{still_open}\0".encode())
+    assert any(v is not None for v in kept.values())  # an open session keeps its graph
+
+    wait_for(lambda: redis_state(settings, closed, oracle.time) is None, 30, f"{closed} expired in Redis")
+    assert redis_state(settings, still_open, oracle.time).version_id == open_ids[-1]
+    for ordinal in range(len(oracle.snapshots)):  # history is untouched
+        nodes, edges = state_at(settings, closed, ordinal).content()
+        want_nodes, want_edges = oracle.view(ordinal)
+        assert {k: (t, d) for k, (t, d) in nodes.items()} == want_nodes, f"{closed} @ {ordinal}"
+        assert set(edges) == want_edges, f"{closed} @ {ordinal}"
+
+    after = delta(last_seq + 2, oracle.time, ups=[("late", "note", {"v": 1}, None)], session=closed)
+    asyncio.run(send(settings, [(DELTA, after)]))
+    wait_for(lambda: any("ended" in r for r in dead_letter_reasons(settings, closed)), 60, "a dead letter")
+    assert len(distinct_versions(settings, closed)) == len(ids) - 1
+    assert changelog_last(settings, "state-graph", prefix) == graph_keys  # nothing written for it again
