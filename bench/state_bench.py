@@ -30,7 +30,7 @@ import orjson
 
 from processors.state_graph import DELTA, DISPATCH, RESULT, FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
-from streams.sql_client import run_sql, run_sql_arrow
+from streams.sql_client import arrow_queries, run_sql, run_sql_arrow
 from streams.state_history import caused_by_tool_sql, edges_sql, nodes_sql, read_state, read_state_arrow, state_at
 
 SESSION = "bench-session"
@@ -136,13 +136,28 @@ def p50(run: Callable[[], Any], runs: int) -> tuple[float, int]:
         started = time.perf_counter()
         result = run()
         times.append((time.perf_counter() - started) * 1000)
-        if hasattr(result, "nodes"):
-            size = len(result.nodes) + len(result.edges)
-        elif result and hasattr(result[0], "num_rows"):  # Arrow record batches
-            size = sum(batch.num_rows for batch in result)
-        else:
-            size = len(result)
+        size = _size(result)
     return statistics.median(times), size
+
+
+def _size(result: Any) -> int:
+    if hasattr(result, "nodes"):
+        return len(result.nodes) + len(result.edges)
+    if result and hasattr(result[0], "num_rows"):  # Arrow record batches
+        return sum(batch.num_rows for batch in result)
+    return len(result)
+
+
+def interleaved(runs: list[Callable[[], Any]], n: int) -> list[tuple[float, int]]:
+    """p50 of each of `runs`, taken in turns, so a change in machine load hits them alike."""
+    sizes = [_size(run()) for run in runs]  # warm-up
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(n):
+        for i, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            times[i].append((time.perf_counter() - started) * 1000)
+    return [(statistics.median(t), size) for t, size in zip(times, sizes, strict=True)]
 
 
 def old_rows(versions: list[dict[str, Any]]) -> list[list[Any]]:
@@ -226,12 +241,20 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         count_at = f"SELECT count() FROM ({nodes_sql(SESSION, last)})"
         results.append(("state at V (last), count() only", *p50(q(count_at), runs)))
         run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
-        arrow = ch.read_only_query_arrow_sync
+        arrow = ch.read_only_queries_arrow_sync
         in_process = lambda: read_state_arrow(arrow, SESSION, last)  # noqa: E731
-        results.append(("state at V (last), in process: read_state_arrow", *p50(in_process, runs)))
+        one_by_one = lambda qs: [ch.read_only_query_arrow_sync(q) for q in qs]  # noqa: E731
+        in_series = lambda: read_state_arrow(one_by_one, SESSION, last)  # noqa: E731
+        (paired_ms, size), (series_ms, _) = interleaved([in_process, in_series], runs)
+        results.append(("state at V (last), in process: read_state_arrow", paired_ms, size))
+        results.append(("  baseline: statements in series (interleaved)", series_ms, size))
         results.append(("  baseline: read_state, rows to objects", *p50(lambda: read_state(run, SESSION, last), 5)))
         with _sql_endpoint(ch, settings):  # the sink's process owns chDB, as while a worker runs
-            results.append(("state_at(V last): the public path", *p50(lambda: state_at(settings, SESSION, last), runs)))
+            public = lambda: state_at(settings, SESSION, last)  # noqa: E731
+            serial = lambda: _serial_state(settings, last)  # noqa: E731
+            (public_ms, size), (serial_ms, _) = interleaved([public, serial], runs)
+            results.append(("state_at(V last): the public path", public_ms, size))
+            results.append(("  baseline: 3 statements in series (interleaved)", serial_ms, size))
             results.append(("  same, V by id", *p50(lambda: state_at(settings, SESSION, state.version_id), runs)))
             results.append(("  same, middle V", *p50(lambda: state_at(settings, SESSION, middle), runs)))
             touch = lambda: _touch(state_at(settings, SESSION, last))  # noqa: E731
@@ -290,6 +313,12 @@ def _serve_sql(settings: Any) -> None:
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+def _serial_state(settings: Any, ordinal: int) -> Any:
+    """The previous public path: version, nodes and edges one after another, a round trip each."""
+    with arrow_queries(settings) as run:
+        return read_state_arrow(lambda statements: [run(sql) for sql in statements], SESSION, ordinal)
 
 
 def _touch(graph: Any) -> Any:

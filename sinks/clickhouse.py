@@ -2,18 +2,21 @@
 
 chDB runs ClickHouse inside this process: one process per data path, one data path per process, and its
 client must not be called from two threads at once. `ClickHouseStore` therefore owns the client together with
-a single worker thread and runs every call there, so an asyncio worker never blocks its event loop and chDB is
-never entered concurrently; the CLI gets the same calls synchronously.
+a single worker thread and runs every call there, so an asyncio worker never blocks its event loop and a
+client is never called from two threads; the CLI gets the same calls synchronously. The one exception is a
+read pair (`read_only_queries_arrow`): while the store's thread waits, a second read-only session on a
+thread of its own runs some of the statements, so two reads use both cores; no write runs meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import clickhouse_connect
@@ -146,6 +149,8 @@ class ClickHouseStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-clickhouse")
         self._client: Client | None = None
         self._read_only_client: Client | None = None
+        self._pair_executor: ThreadPoolExecutor | None = None  # the second read-only session's thread
+        self._pair_client: Client | None = None
         try:
             self._client = self._executor.submit(self._connect, client_factory).result()
         except BaseException:
@@ -179,18 +184,58 @@ class ClickHouseStore:
         read-only. A session that is read-only from the start has nothing to restore.
         """
         if self._read_only_client is None:
-            read_only = self._client_factory()
-            try:
-                read_only.database = self.database
-                for name, value in ARROW_OUTPUT_SETTINGS.items():  # before readonly, which forbids changing them
-                    read_only.set_client_setting(name, str(value))
-                for name, value in read_only_settings().items():
-                    read_only.set_client_setting(name, str(value))
-            except BaseException:
-                read_only.close()
-                raise
-            self._read_only_client = read_only
+            self._read_only_client = self._open_read_only()
         return self._read_only_client
+
+    def _open_read_only(self) -> Client:
+        read_only = self._client_factory()
+        try:
+            read_only.database = self.database
+            for name, value in ARROW_OUTPUT_SETTINGS.items():  # before readonly, which forbids changing them
+                read_only.set_client_setting(name, str(value))
+            for name, value in read_only_settings().items():
+                read_only.set_client_setting(name, str(value))
+        except BaseException:
+            read_only.close()
+            raise
+        return read_only
+
+    def _read_in_pair(self, statements: list[str]) -> list[pa.Table]:
+        """Run checked statements on two read-only sessions at once (store thread only; see read_only_queries_arrow).
+
+        The store's thread is held until both are done, so the pair never overlaps a write: at most two
+        read-only sessions of this process are inside chDB together (its Python binding releases the GIL, and
+        clients on one path share the engine; each keeps its own session settings, set once, never per query).
+        """
+        queue = deque(enumerate(statements))
+        results: list[pa.Table | None] = [None] * len(statements)
+
+        def drain(client: Client) -> None:
+            while True:
+                try:
+                    i, sql = queue.popleft()  # atomic: each statement runs once, on whichever session is free
+                except IndexError:
+                    return
+                results[i] = client.query_arrow(sql)
+
+        if len(statements) < 2:
+            drain(self._read_only())
+            return cast(list[pa.Table], results)
+        if self._pair_executor is None:
+            self._pair_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-clickhouse-read")
+
+        def drain_second() -> None:
+            if self._pair_client is None:
+                self._pair_client = self._open_read_only()
+            drain(self._pair_client)
+
+        second = self._pair_executor.submit(drain_second)
+        try:
+            drain(self._read_only())
+        finally:
+            wait([second])  # never leave a read running when this thread moves on
+        second.result()
+        return cast(list[pa.Table], results)
 
     def _submit(self, fn: Callable[[Client], T]) -> Future[T]:
         """Queue fn(client) on the store's thread."""
@@ -244,6 +289,11 @@ class ClickHouseStore:
         checked = check_read_only(sql)
         return await self.call(lambda _writer: self._read_only().query_arrow(checked))
 
+    async def read_only_queries_arrow(self, statements: Sequence[str]) -> list[pa.Table]:
+        """Several read-only statements as Arrow tables, run two at a time (one state_at's nodes and edges)."""
+        checked = [check_read_only(sql) for sql in statements]
+        return await self.call(lambda _writer: self._read_in_pair(checked))
+
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -285,10 +335,26 @@ class ClickHouseStore:
         checked = check_read_only(sql)
         return self.call_sync(lambda _writer: self._read_only().query_arrow(checked))
 
+    def read_only_queries_arrow_sync(self, statements: Sequence[str]) -> list[pa.Table]:
+        checked = [check_read_only(sql) for sql in statements]
+        return self.call_sync(lambda _writer: self._read_in_pair(checked))
+
     def close(self) -> None:
         """Close the client on its own thread (releasing chDB's data path) and stop the thread; idempotent."""
         if self._client is None:
             return
+        if self._pair_executor is not None:
+            pair, self._pair_executor = self._pair_executor, None
+
+            def close_pair() -> None:
+                if self._pair_client is not None:
+                    self._pair_client.close()
+                    self._pair_client = None
+
+            try:
+                pair.submit(close_pair).result()
+            finally:
+                pair.shutdown(wait=True)
 
         def close_clients() -> None:
             clients = [self._read_only_client, self._client]

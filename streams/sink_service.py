@@ -3,8 +3,8 @@
 The sink decodes every topic again and inserts rows; in the Faust worker's process that took about
 half of its one core, so the worker starts this as a child process by default (TREADLE_SINK=child)
 and each gets a core. With embedded chDB this process owns the data path (one process per path),
-so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT (`/sql`: JSON rows; `/arrow`: an Arrow IPC
-stream, for the state history reads); SqlEndpoint says where.
+so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT (`/sql`: JSON rows; `/arrow`: Arrow IPC
+streams, for the state history reads); SqlEndpoint says where.
 """
 
 from __future__ import annotations
@@ -67,18 +67,28 @@ def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.App
         return web.Response(body=b'{"columns":' + columns + b',"rows":' + rows + b"}", content_type="application/json")
 
     async def post_arrow(request: web.Request) -> web.Response:
-        """The same read-only SQL, answered as an Arrow IPC stream (columns, no per-row JSON)."""
+        """Read-only statements (`sql`: one or a list), answered as Arrow IPC streams (columns, no per-row JSON).
+
+        A list runs two statements at a time (ClickHouseStore.read_only_queries_arrow); the body is, per
+        statement in order, its stream's length (8 bytes, big-endian) and the stream.
+        """
         body = await request.json()
+        sql = body.get("sql", "")
+        statements = [str(s) for s in sql] if isinstance(sql, list) else [str(sql)]
         try:
-            table = await store.read_only_query_arrow(str(body.get("sql", "")))
+            tables = await store.read_only_queries_arrow(statements)
         except ReadOnlyQueryError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         except Exception as exc:
             return web.json_response({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
-        out = pa.BufferOutputStream()
-        with pa.ipc.new_stream(out, table.schema) as writer:
-            writer.write_table(table)
-        return web.Response(body=memoryview(out.getvalue()), content_type="application/vnd.apache.arrow.stream")
+        parts = []
+        for table in tables:
+            out = pa.BufferOutputStream()
+            with pa.ipc.new_stream(out, table.schema) as writer:
+                writer.write_table(table)
+            stream = out.getvalue()
+            parts += [stream.size.to_bytes(8, "big"), memoryview(stream)]
+        return web.Response(body=b"".join(parts), content_type="application/vnd.apache.arrow.stream")
 
     async def get_metrics(request: web.Request) -> web.Response:
         body = await sink.exposition() if sink is not None else b""

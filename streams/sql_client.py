@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,6 +48,7 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
 
 
 ArrowRunner = Callable[[str], pa.Table]
+ArrowBatchRunner = Callable[[Sequence[str]], list[pa.Table]]  # statements in, one table each, same order
 
 
 def run_sql_arrow(settings: Settings, query: str, timeout: float = 60.0) -> pa.Table:
@@ -58,14 +59,21 @@ def run_sql_arrow(settings: Settings, query: str, timeout: float = 60.0) -> pa.T
 
 @contextmanager
 def arrow_queries(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowRunner]:
-    """A function running read-only statements as Arrow tables, through one connection for all of them.
+    """A function running read-only statements as Arrow tables, through one connection for all of them."""
+    with arrow_batches(settings, timeout) as run_many:
+        yield lambda query: run_many([query])[0]
+
+
+@contextmanager
+def arrow_batches(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowBatchRunner]:
+    """A function running lists of read-only statements as Arrow tables, two at a time, in one round trip.
 
     Through the sink's `/arrow` endpoint while it owns embedded chDB; otherwise on a store opened once here
     (opening chDB per statement would cost more than the statements).
     """
     endpoint = SqlEndpoint.read(settings)
     if endpoint is not None and settings.embedded_clickhouse:
-        yield lambda query: _arrow_via_endpoint(endpoint, check_read_only(query), timeout)
+        yield lambda queries: _arrow_via_endpoint(endpoint, [check_read_only(q) for q in queries], timeout)
         return
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
@@ -74,9 +82,9 @@ def arrow_queries(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowRu
 
     with ClickHouseStore.open(settings) as store:
 
-        def run(query: str) -> pa.Table:
+        def run(queries: Sequence[str]) -> list[pa.Table]:
             try:
-                return store.read_only_query_arrow_sync(query)
+                return store.read_only_queries_arrow_sync(queries)
             except ReadOnlyQueryError:
                 raise
             except Exception as exc:
@@ -86,10 +94,10 @@ def arrow_queries(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowRu
         yield run
 
 
-def _arrow_via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> pa.Table:
+def _arrow_via_endpoint(info: SqlEndpoint, statements: list[str], timeout: float) -> list[pa.Table]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{info.port}/arrow",
-        data=json.dumps({"sql": statement}).encode(),
+        data=json.dumps({"sql": statements}).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
@@ -103,7 +111,13 @@ def _arrow_via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> pa
         raise QueryFailedError(
             f"sink pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.port}: {exc}"
         ) from None
-    return pa.ipc.open_stream(body).read_all()
+    tables, at = [], 0
+    view = memoryview(body)
+    while at < len(view):  # per statement: its stream's length (8 bytes, big-endian), then the stream
+        size = int.from_bytes(view[at : at + 8], "big")
+        tables.append(pa.ipc.open_stream(pa.py_buffer(view[at + 8 : at + 8 + size])).read_all())
+        at += 8 + size
+    return tables
 
 
 def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:

@@ -1,9 +1,11 @@
 """State history from ClickHouse: the graph at a version or a time, and the diff between two versions.
 
 Each read is a few SQL statements over the tables of sinks/migrations/0012_state_graph.up.sql, run through
-streams.sql_client.arrow_queries (so it works while a worker owns the embedded chDB) or any other runner. The
+streams.sql_client.arrow_batches (so it works while a worker owns the embedded chDB) or any other runner. The
 SQL builders are public so users can see, copy and adapt the queries. `state_at` reads Arrow columns and wraps
-them lazily (at 100,000 nodes, building every object up front cost ~20x the query; bench/state_bench.py).
+them lazily (at 100,000 nodes, building every object up front cost ~20x the query; bench/state_bench.py), and
+sends its statements in one batch, which the store runs two at a time: the nodes and edges queries take about
+the same time, so on two cores the read costs about the slower of the two, not their sum.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import orjson
 
 from processors.state_graph import ordinal_of
 from streams.settings import Settings
-from streams.sql_client import ArrowRunner
+from streams.sql_client import ArrowBatchRunner
 from streams.state_columns import ColumnarEdges, ColumnarNodes
 from streams.state_model import GraphEdge, GraphNode, StateGraph
 
@@ -147,12 +149,12 @@ def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) 
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
     """The session's graph at a version or time, from ClickHouse; StateNotFoundError if there is none.
 
-    Three statements through one connection, answered as Arrow columns; nodes and edges become Python
-    objects only when touched (streams/state_columns.py).
+    Three statements in one round trip (two when `at` is a time: the version is looked up first), answered as
+    Arrow columns; nodes and edges become Python objects only when touched (streams/state_columns.py).
     """
-    from streams.sql_client import arrow_queries
+    from streams.sql_client import arrow_batches
 
-    with arrow_queries(settings) as run:
+    with arrow_batches(settings) as run:
         return read_state_arrow(run, session, at)
 
 
@@ -166,16 +168,32 @@ def _version(rows: Any, session: str, at: str | int | datetime | At, point: At) 
     return str(version_id), int(ordinal), int(vtime)
 
 
-def read_state_arrow(run: ArrowRunner, session: str, at: str | int | datetime | At) -> StateGraph:
-    """state_at over any way of running SQL into Arrow tables (`run` returns one query's pyarrow.Table)."""
+def read_state_arrow(run: ArrowBatchRunner, session: str, at: str | int | datetime | At) -> StateGraph:
+    """state_at over any way of running SQL into Arrow tables (`run` returns one pyarrow.Table per statement).
+
+    A version or an ordinal names its ordinal, so nodes, edges and the version row are asked for together
+    (if the version is not there, the other two answers are dropped); a time needs its version first.
+    """
     point = at if isinstance(at, At) else At.parse(session, at)
-    found = _version([tuple(r.values()) for r in run(version_sql(session, point)).to_pylist()], session, at, point)
+    known = point.ordinal if point.version_id is None else ordinal_of(point.version_id)
+    if point.time is None and known:
+        nodes_table, edges_table, version_table = run(
+            [nodes_sql(session, known), edges_sql(session, known), version_sql(session, point)]
+        )
+        found = _version(_rows(version_table), session, at, point)
+        assert found is not None and found[1] == known
+        return StateGraph(session, *found, ColumnarNodes(nodes_table), ColumnarEdges(edges_table))
+    (version_table,) = run([version_sql(session, point)])
+    found = _version(_rows(version_table), session, at, point)
     if found is None:
         return StateGraph(session, f"{session}.0.genesis", 0, 0)
     version_id, ordinal, vtime = found
-    nodes = ColumnarNodes(run(nodes_sql(session, ordinal, point.time)))
-    edges = ColumnarEdges(run(edges_sql(session, ordinal)))
-    return StateGraph(session, version_id, ordinal, vtime, nodes, edges)
+    nodes_table, edges_table = run([nodes_sql(session, ordinal, point.time), edges_sql(session, ordinal)])
+    return StateGraph(session, version_id, ordinal, vtime, ColumnarNodes(nodes_table), ColumnarEdges(edges_table))
+
+
+def _rows(table: Any) -> list[tuple[Any, ...]]:
+    return [tuple(r.values()) for r in table.to_pylist()]
 
 
 def read_state(run: Runner, session: str, at: str | int | datetime | At) -> StateGraph:

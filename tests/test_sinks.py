@@ -31,6 +31,7 @@ from sinks.clickhouse import (
     database_name,
 )
 from sinks.rows import INPUT_SCHEMAS, ROW_FORMAT_REVISION, TABLE_COLUMNS, micros, rows_for
+from sinks.sql_guard import ReadOnlyQueryError
 from sinks.writer import ClickHouseSink
 from streams.settings import REPO_ROOT, Settings
 from topics.catalog import TopicCatalog
@@ -637,6 +638,19 @@ async def test_store_runs_every_call_on_one_thread_without_blocking_the_loop(sto
     assert threads and threading.get_ident() not in threads and len(threads) == 1
     assert ticks >= 10, "the event loop kept running while chDB worked"
     assert store.query_sync("SELECT 2").result_rows == [(2,)]
+
+
+async def test_read_pairs_run_two_reads_at_once_in_order_and_only_reads(store: ClickHouseStore) -> None:
+    """read_only_queries_arrow: two read-only sessions at once, answers in statement order, no write meanwhile."""
+    slow = "SELECT sum(sleepEachRow(0.05)) AS s, {} AS i FROM numbers(8)"
+    started = time.monotonic()
+    tables = await store.read_only_queries_arrow([slow.format(i) for i in range(4)])
+    elapsed = time.monotonic() - started
+    assert [t.column("i").to_pylist() for t in tables] == [[0], [1], [2], [3]]
+    assert elapsed < 4 * 0.4 * 0.9, f"{elapsed:.2f} s: the statements did not run two at a time"
+    with pytest.raises(ReadOnlyQueryError):
+        await store.read_only_queries_arrow(["SELECT 1", "DROP TABLE transitions"])
+    assert store.read_only_queries_arrow_sync(["SELECT 7 AS x"])[0].column("x").to_pylist() == [7]
 
 
 def test_a_closed_store_says_so(chdb_settings: Settings) -> None:

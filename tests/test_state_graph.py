@@ -554,7 +554,7 @@ def insert_versions(store, versions: list[dict], rng: random.Random) -> None:
 )
 @given(ops=op_strategy, seed=st.integers(0, 2**32))
 def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, ops, seed):
-    from streams.state_history import At, read_state, read_state_arrow
+    from streams.state_history import At, StateNotFoundError, read_state, read_state_arrow
 
     session = f"h{next(_HISTORY_SESSIONS)}"  # examples share the database
     events, oracle, ids = build(ops, 256, session=session)
@@ -565,7 +565,7 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
     assert [v["version_id"] for v in versions] == ids[1:]
     insert_versions(history, versions, random.Random(seed))
     run = lambda sql: history.query_sync(sql).result_rows  # noqa: E731
-    arrow = history.read_only_query_arrow_sync  # what state_at() runs: Arrow columns, lazy objects
+    arrow = history.read_only_queries_arrow_sync  # what state_at() runs: Arrow columns, lazy objects
     for ordinal in range(len(oracle.snapshots)):
         graph = read_state(run, session, ordinal)
         nodes, edges = graph.content()
@@ -575,6 +575,10 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         assert columnar.content() == (nodes, edges) and columnar.version_id == ids[ordinal], f"ordinal {ordinal}"
         assert len(columnar.nodes) == len(nodes) and len(columnar.edges) == len(edges)
         assert columnar.to_json() == graph.to_json()
+        by_id = read_state_arrow(arrow, session, ids[ordinal])  # nodes, edges and version row in one batch
+        assert by_id.content() == (nodes, edges) and by_id.version_id == ids[ordinal]
+    with pytest.raises(StateNotFoundError):  # the batch's nodes and edges are dropped when the version is not there
+        read_state_arrow(arrow, session, f"{session}.{len(ids)}.0000000000000000")
     for v in versions:  # between two versions: the earlier one, less the nodes whose TTL passed by then
         moment = v["event_time"] + 500_000
         latest = max(u["ordinal"] for u in versions if u["event_time"] <= moment)
