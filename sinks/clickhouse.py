@@ -35,6 +35,11 @@ T = TypeVar("T")
 ARROW_OUTPUT_SETTINGS = {"output_format_arrow_low_cardinality_as_dictionary": 1}
 
 
+def arrow_table(stream: bytes | memoryview) -> pa.Table:
+    """An Arrow IPC stream (ClickHouse's ArrowStream format) as a table."""
+    return pa.ipc.open_stream(pa.py_buffer(stream)).read_all()
+
+
 class ClickHouseUnavailableError(RuntimeError):
     """ClickHouse cannot be opened or reached; the message is one line that says why and what to do."""
 
@@ -200,15 +205,19 @@ class ClickHouseStore:
             raise
         return read_only
 
-    def _read_in_pair(self, statements: list[str]) -> list[pa.Table]:
+    def _read_in_pair(self, statements: list[str]) -> list[bytes]:
         """Run checked statements on two read-only sessions at once (store thread only; see read_only_queries_arrow).
 
         The store's thread is held until both are done, so the pair never overlaps a write: at most two
         read-only sessions of this process are inside chDB together (its Python binding releases the GIL, and
         clients on one path share the engine; each keeps its own session settings, set once, never per query).
+        Concurrent queries on separate handles are safe since chDB 4.0 (chdb-io/chdb-core#130).
+
+        Each answer is chDB's own Arrow IPC stream (format ArrowStream): about half the bytes of the same table
+        written again by pyarrow, and no pa.Table built here when the bytes only pass through (the sink's /arrow).
         """
         queue = deque(enumerate(statements))
-        results: list[pa.Table | None] = [None] * len(statements)
+        results: list[bytes | None] = [None] * len(statements)
 
         def drain(client: Client) -> None:
             while True:
@@ -216,11 +225,11 @@ class ClickHouseStore:
                     i, sql = queue.popleft()  # atomic: each statement runs once, on whichever session is free
                 except IndexError:
                     return
-                results[i] = client.query_arrow(sql)
+                results[i] = client.raw_query(sql, fmt="ArrowStream")
 
         if len(statements) < 2:
             drain(self._read_only())
-            return cast(list[pa.Table], results)
+            return cast(list[bytes], results)
         if self._pair_executor is None:
             self._pair_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-clickhouse-read")
 
@@ -235,7 +244,7 @@ class ClickHouseStore:
         finally:
             wait([second])  # never leave a read running when this thread moves on
         second.result()
-        return cast(list[pa.Table], results)
+        return cast(list[bytes], results)
 
     def _submit(self, fn: Callable[[Client], T]) -> Future[T]:
         """Queue fn(client) on the store's thread."""
@@ -291,6 +300,10 @@ class ClickHouseStore:
 
     async def read_only_queries_arrow(self, statements: Sequence[str]) -> list[pa.Table]:
         """Several read-only statements as Arrow tables, run two at a time (one state_at's nodes and edges)."""
+        return [arrow_table(stream) for stream in await self.read_only_queries_arrow_streams(statements)]
+
+    async def read_only_queries_arrow_streams(self, statements: Sequence[str]) -> list[bytes]:
+        """read_only_queries_arrow as chDB's Arrow IPC streams, unparsed (to pass on as they are)."""
         checked = [check_read_only(sql) for sql in statements]
         return await self.call(lambda _writer: self._read_in_pair(checked))
 
@@ -337,7 +350,7 @@ class ClickHouseStore:
 
     def read_only_queries_arrow_sync(self, statements: Sequence[str]) -> list[pa.Table]:
         checked = [check_read_only(sql) for sql in statements]
-        return self.call_sync(lambda _writer: self._read_in_pair(checked))
+        return [arrow_table(stream) for stream in self.call_sync(lambda _writer: self._read_in_pair(checked))]
 
     def close(self) -> None:
         """Close the client on its own thread (releasing chDB's data path) and stop the thread; idempotent."""

@@ -16,7 +16,6 @@ import os
 import time
 
 import orjson
-import pyarrow as pa
 from aiohttp import web
 
 from processors.intake import Intake
@@ -76,18 +75,12 @@ def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.App
         sql = body.get("sql", "")
         statements = [str(s) for s in sql] if isinstance(sql, list) else [str(sql)]
         try:
-            tables = await store.read_only_queries_arrow(statements)
+            streams = await store.read_only_queries_arrow_streams(statements)
         except ReadOnlyQueryError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         except Exception as exc:
             return web.json_response({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
-        parts = []
-        for table in tables:
-            out = pa.BufferOutputStream()
-            with pa.ipc.new_stream(out, table.schema) as writer:
-                writer.write_table(table)
-            stream = out.getvalue()
-            parts += [stream.size.to_bytes(8, "big"), memoryview(stream)]
+        parts = [part for stream in streams for part in (len(stream).to_bytes(8, "big"), stream)]
         return web.Response(body=b"".join(parts), content_type="application/vnd.apache.arrow.stream")
 
     async def get_metrics(request: web.Request) -> web.Response:

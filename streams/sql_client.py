@@ -95,15 +95,34 @@ def arrow_batches(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowBa
 
 
 def _arrow_via_endpoint(info: SqlEndpoint, statements: list[str], timeout: float) -> list[pa.Table]:
+    from sinks.clickhouse import arrow_table  # lazily, like ClickHouseStore: the CLI starts without it
+
+    body = _post(info, "/arrow", {"sql": statements}, timeout)
+    tables, at = [], 0
+    view = memoryview(body)
+    while at < len(view):  # per statement: its stream's length (8 bytes, big-endian), then the stream
+        size = int.from_bytes(view[at : at + 8], "big")
+        tables.append(arrow_table(view[at + 8 : at + 8 + size]))
+        at += 8 + size
+    return tables
+
+
+def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
+    body = json.loads(_post(info, "/sql", {"sql": statement}, timeout))
+    return body["columns"], body["rows"]
+
+
+def _post(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float) -> bytes:
+    """POST JSON to the sink's endpoint; its answer's body, or QueryFailedError with the sink's reason."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{info.port}/arrow",
-        data=json.dumps({"sql": statements}).encode(),
+        f"http://127.0.0.1:{info.port}{path}",
+        data=json.dumps(payload).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
+            return response.read()
     except urllib.error.HTTPError as exc:
         error = json.loads(exc.read() or b"{}")
         raise QueryFailedError(error.get("error", f"worker answered HTTP {exc.code}")) from None
@@ -111,30 +130,3 @@ def _arrow_via_endpoint(info: SqlEndpoint, statements: list[str], timeout: float
         raise QueryFailedError(
             f"sink pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.port}: {exc}"
         ) from None
-    tables, at = [], 0
-    view = memoryview(body)
-    while at < len(view):  # per statement: its stream's length (8 bytes, big-endian), then the stream
-        size = int.from_bytes(view[at : at + 8], "big")
-        tables.append(pa.ipc.open_stream(pa.py_buffer(view[at + 8 : at + 8 + size])).read_all())
-        at += 8 + size
-    return tables
-
-
-def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{info.port}/sql",
-        data=json.dumps({"sql": statement}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        body = json.loads(exc.read() or b"{}")
-        raise QueryFailedError(body.get("error", f"worker answered HTTP {exc.code}")) from None
-    except (urllib.error.URLError, TimeoutError) as exc:
-        raise QueryFailedError(
-            f"sink pid {info.pid} holds the embedded ClickHouse but did not answer on port {info.port}: {exc}"
-        ) from None
-    return body["columns"], body["rows"]
