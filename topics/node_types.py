@@ -22,9 +22,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
 
 from topics.compacted import read_to_end
+from topics.tool_schemas import first_problem
 
 _KEY_PREFIX = b"node/"
 _NUMERIC_LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
@@ -171,13 +171,7 @@ class NodeTypes:
     def problem(self, node_type: str, data: Any) -> str | None:
         """Why `data` is not a valid node of `node_type`, or None (types without a schema accept any JSON)."""
         validator = self._validators.get(node_type)
-        if validator is None:
-            return None
-        error = best_match(validator.iter_errors(data))
-        if error is None:
-            return None
-        at = "/".join(str(p) for p in error.absolute_path) or "<root>"
-        return f"data of node type {node_type!r} invalid at {at}: {error.message}"
+        return None if validator is None else first_problem(validator, data, f"data of node type {node_type!r}")
 
 
 class NodeTypeRegistry:

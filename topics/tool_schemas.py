@@ -12,6 +12,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
+from jsonschema.protocols import Validator
 
 
 class InvalidParamsError(ValueError):
@@ -47,13 +48,7 @@ class ToolSchemas:
         if not isinstance(params, dict):
             return f"params of {tool} must be a JSON object, got {type(params).__name__}"
         validator = self._validators.get(tool)
-        if validator is None:
-            return None
-        problem = best_match(validator.iter_errors(params))
-        if problem is None:
-            return None
-        where = "/".join(str(p) for p in problem.absolute_path) or "<root>"
-        return f"params of {tool} invalid at {where}: {problem.message}"
+        return None if validator is None else first_problem(validator, params, f"params of {tool}")
 
     def error_in_json(self, tool: str, params_json: str) -> str | None:
         try:
@@ -66,3 +61,12 @@ class ToolSchemas:
         problem = self.error(tool, params)
         if problem is not None:
             raise InvalidParamsError(problem)
+
+
+def first_problem(validator: Validator, data: Any, what: str) -> str | None:
+    """The most relevant reason `data` fails `validator`, as one line naming where ("<root>" for the top)."""
+    error = best_match(validator.iter_errors(data))
+    if error is None:
+        return None
+    at = "/".join(str(p) for p in error.absolute_path) or "<root>"
+    return f"{what} invalid at {at}: {error.message}"
