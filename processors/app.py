@@ -212,7 +212,7 @@ def build_pipeline(
             await app.crash(exc)
             raise
 
-    app.deliver_in_batches(inputs, intake)
+    app.deliver_in_batches(inputs, intake, settings.process_batch_size, settings.process_batch_seconds)
     return pipeline
 
 

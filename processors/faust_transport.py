@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -85,29 +86,26 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         self.callback = deliver_fully
 
     async def _drain_messages(self, fetcher: Any) -> None:
-        """Faust's fetch loop, with records of batch topics handed over a fetched batch at a time."""
+        """Faust's fetch loop, with records of batch topics handed over a batch at a time.
+
+        A batch is one fetch, topped up by more fetches for up to the app's `batch_linger_s` while input
+        trickles in (fewer, larger batches: fewer intermediate revisions to emit), never past
+        `batch_max_records`, and never once the flow stops: a rebalance waits for the batch's acks.
+        """
         app: ResumingApp = self.app  # type: ignore[assignment]
-        batch_topics, handle = app.batch_topics, app.batch_handler
-        read_offset = self._read_offset
-        acks_enabled_for = app.topics.acks_enabled_for
         try:
             while not (self.should_stop or fetcher.should_stop):
                 batch: list[Any] = []
-                async for tp, message in self.getmany(timeout=1.0):
-                    offset = message.offset
-                    last = read_offset[tp]
-                    if last is not None and offset < last:
-                        continue  # read already (Faust drops these too)
-                    if last and offset - last > 1 and acks_enabled_for(message.topic):
-                        await self._add_gap(tp, last + 1, offset)  # compaction or transaction markers
-                    if tp.topic in batch_topics:
-                        self._unacked_messages.add(message)  # a rebalance waits until it is acked
-                        batch.append(message)
-                    else:
-                        await self.wait_first(self.callback(message), self.suspend_flow.wait())
-                    read_offset[tp] = offset
+                await self._read_into(batch, 1.0)
+                if batch and app.batch_linger_s > 0:
+                    deadline = time.monotonic() + app.batch_linger_s
+                    while len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        await self._read_into(batch, left)
                 if batch:
-                    await self._deliver(handle, batch)
+                    await self._deliver(app.batch_handler, batch)
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
                     self._n_acked = 0
                     await self.commit()
@@ -116,6 +114,24 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             if not self.transport.app.should_stop:
                 raise
             log.info("broker stopped the consumer while the worker stops")
+
+    async def _read_into(self, batch: list[Any], timeout: float) -> None:
+        """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
+        batch_topics = self.app.batch_topics  # type: ignore[attr-defined]
+        read_offset = self._read_offset
+        async for tp, message in self.getmany(timeout=timeout):
+            offset = message.offset
+            last = read_offset[tp]
+            if last is not None and offset < last:
+                continue  # read already (Faust drops these too)
+            if last and offset - last > 1 and self.app.topics.acks_enabled_for(message.topic):
+                await self._add_gap(tp, last + 1, offset)  # compaction or transaction markers
+            if tp.topic in batch_topics:
+                self._unacked_messages.add(message)  # a rebalance waits until it is acked
+                batch.append(message)
+            else:
+                await self.wait_first(self.callback(message), self.suspend_flow.wait())
+            read_offset[tp] = offset
 
     async def _deliver(self, handle: BatchHandler | None, batch: list[Any]) -> None:
         if handle is None:
@@ -205,11 +221,21 @@ class ResumingApp(faust.App):
 
     batch_topics: frozenset[str] = frozenset()
     batch_handler: BatchHandler | None = None
+    batch_max_records: int = 1000
+    batch_linger_s: float = 0.0
 
-    def deliver_in_batches(self, topic: faust.TopicT, handler: BatchHandler) -> None:
-        """Consume `topic` (one or more topic names) without an agent: `handler` gets each fetched batch."""
+    def deliver_in_batches(
+        self, topic: faust.TopicT, handler: BatchHandler, max_records: int = 1000, linger_s: float = 0.0
+    ) -> None:
+        """Consume `topic` (one or more topic names) without an agent: `handler` gets the records in batches.
+
+        A batch is what one fetch returned, topped up for up to `linger_s` while fewer than `max_records`
+        (a fetch returns at most broker_max_poll_records, so a batch may pass `max_records` by one fetch).
+        """
         self.batch_topics = frozenset(topic.topics)
         self.batch_handler = handler
+        self.batch_max_records = max_records
+        self.batch_linger_s = linger_s
         self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
 
     def _new_transport(self) -> ResumingTransport:

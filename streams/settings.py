@@ -85,7 +85,11 @@ class Settings(BaseModel):
     )
     process_batch_size: int = Field(
         default=1000,
-        description="TREADLE_PROCESS_BATCH_SIZE: most input events the worker folds per batch (one fetch).",
+        description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (about: one fetch).",
+    )
+    process_batch_seconds: float = Field(
+        default=0.05,
+        description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
     )
     reward_policy: Path | None = Field(
         default=None,
