@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from streams.settings import REPO_ROOT, Settings
 from topics.catalog import TopicCatalog
@@ -155,3 +157,19 @@ def step_components(settings: Settings, session: str, source: str) -> dict[str, 
         out[lid] = {"revision": revision, "reward": reward,
                     "components": {i: (v, c, e) for i, s, v, c, e in parts if s == source}}  # fmt: skip
     return out
+
+
+def scrape(settings: Settings) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the worker's /metrics, keyed by (sample name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{settings.web_port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())

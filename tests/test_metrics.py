@@ -4,35 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-import urllib.request
 from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
 from streams.metrics import METRIC_FAMILIES, GpuMetrics, SinkMetrics, WorkerMetrics
 from streams.settings import Settings
-from tests.factories import KIND_OF, RawProducer, wait_for
+from tests.factories import KIND_OF, RawProducer, scrape, total, wait_for
 from tests.test_pipeline import REWARD, complete, make_workload, produce
 from topics.catalog import TopicCatalog
 
 GARBAGE = b"\x00\x01 not avro"
-
-
-def scrape(settings: Settings) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the worker's /metrics, keyed by (sample name, sorted labels)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{settings.web_port}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
 async def records_on(settings: Settings, kind: str) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from streams.settings import Settings
 from streams.sql_client import run_sql
-from tests.factories import RawProducer, dispatch, result, reward, wait_for
+from tests.factories import RawProducer, dispatch, result, reward, scrape, total, wait_for
 from topics.ids import uuid7
 
 DISPATCH, RESULT, REWARD = (
@@ -169,6 +169,43 @@ def test_kill_minus_nine_mid_stream_loses_and_duplicates_nothing(deployment: Set
     _, counts = run_sql(
         deployment,
         "SELECT count() AS rows, uniqExact(session_id, step) AS keys FROM transitions FINAL",
+    )
+    assert counts == [[len(expected), len(expected)]]
+
+
+def test_a_worker_joining_and_leaving_mid_stream_loses_and_duplicates_nothing(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Two rebalances with input in flight: a second worker joins (the first gives up partitions mid-batch, and
+    waits for its batches), then leaves (the first takes them back and recovers their tables)."""
+    rng = random.Random(41)
+    expected = make_workload(rng, sessions=12, steps=10)
+    events = [e for step in expected for e in step.events]
+    rng.shuffle(events)
+    third = len(events) // 3
+    first = worker_factory().start()
+    first.wait_ready()
+    asyncio.run(produce(deployment, events[:third]))
+    wait_for(lambda: len(latest_rows(deployment)) > 0, 60, "some transitions before the second worker")
+    # Its own home and web port; no sink of its own (the first worker's sink inserts every output).
+    other = deployment.model_copy(
+        update={"home": tmp_path / "second", "web_port": deployment.web_port + 400, "sink": "off"}
+    )
+    second = worker_factory(other).start()
+    second.wait_ready()
+    asyncio.run(produce(deployment, events[third : 2 * third]))
+    wait_for(lambda: total(scrape(other), "treadle_events_in_total") > 0, 60, "input folded by the second worker")
+    second.stop()  # a graceful leave
+    asyncio.run(produce(deployment, events[2 * third :]))
+    rows = wait_for(
+        complete(deployment, expected),
+        120,
+        "every transition after the second worker left",
+        explain=lambda: revision_diff(deployment, expected, first, second),
+    )
+    assert_matches(rows, expected)
+    _, counts = run_sql(
+        deployment, "SELECT count() AS rows, uniqExact(session_id, step) AS keys FROM transitions FINAL"
     )
     assert counts == [[len(expected), len(expected)]]
 
