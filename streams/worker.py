@@ -1,4 +1,4 @@
-"""`treadle worker`: the Faust agents, plus (by default) `treadle sink` as a child process.
+"""`treadle worker`: the Faust app (intake, processors, tables, timers) and, by default, a `treadle sink` child.
 
 The sink child owns ClickHouse (embedded chDB allows one process per data path) and answers
 `treadle sql` on 127.0.0.1; see streams/sink_service.py. TREADLE_SINK=off runs the processors only,
