@@ -81,6 +81,7 @@ class Pipeline:
     _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
     _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)
     _topic_tokens: dict[str, int] = field(default_factory=dict)  # output topic -> the token its deliveries carry
+    _token_topics: list[str] = field(default_factory=list)  # token -> output topic
     _partition_counts: dict[str, int] = field(default_factory=dict)
     _key_hashes: dict[bytes, int] = field(default_factory=dict)  # session key -> murmur2 (sessions repeat)
 
@@ -99,7 +100,10 @@ class Pipeline:
         # worker rather than losing it.
         if partition is None:
             partition = self._partition_for(topic, key)
-        token = self._topic_tokens.setdefault(topic, len(self._topic_tokens))
+        token = self._topic_tokens.get(topic)
+        if token is None:
+            token = self._topic_tokens[topic] = len(self._token_topics)
+            self._token_topics.append(topic)
         await self.app.producer.append(topic, partition, key, value, self._on_delivered, token)
 
     def _partition_for(self, topic: str, key: bytes | None) -> int:
@@ -122,8 +126,7 @@ class Pipeline:
     def _on_delivered(self, token: int, error: BaseException | None) -> None:
         if error is None or self._crash is not None:
             return
-        topic = next(name for name, t in self._topic_tokens.items() if t == token)
-        self.metrics.producer_errors.labels(topic).inc()
+        self.metrics.producer_errors.labels(self._token_topics[token]).inc()
         log.critical("an output could not be produced, stopping so its input is redelivered: %r", error)
         self._crash = asyncio.ensure_future(self.app.crash(error))
 

@@ -21,17 +21,11 @@ class DecodedRows(Generic[T]):
         self._generation: int | None = None
 
     def get(self, key: bytes, generation: int) -> T | None:
-        if generation != self._generation:
-            self._values.clear()
-            self._generation = generation
-            return None
-        return self._values.get(key)
+        return self._of(generation).get(key)
 
     def wrote(self, key: bytes, value: T, generation: int) -> None:
         """`value` is what the table now holds for `key` (the caller must not change it without writing)."""
-        if generation != self._generation:
-            self._values.clear()
-            self._generation = generation
+        self._of(generation)
         self._values.pop(key, None)  # re-insert: the dict's order is the eviction order
         self._values[key] = value
         if len(self._values) > self.capacity:
@@ -39,3 +33,9 @@ class DecodedRows(Generic[T]):
 
     def forget(self, key: bytes) -> None:
         self._values.pop(key, None)
+
+    def _of(self, generation: int) -> dict[bytes, T]:
+        if generation != self._generation:
+            self._values.clear()
+            self._generation = generation
+        return self._values

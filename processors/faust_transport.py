@@ -1,4 +1,4 @@
-"""Faust's Kafka transport with one fix: input partitions with no committed offset restart at their beginning.
+"""Faust's Kafka transport, mended where it lost input, and with batch delivery and batched outputs.
 
 After recovering its tables, Faust positions every input partition with aiokafka's
 `seek_to_committed()`, which seeks only where the committed offset is a positive number
@@ -21,8 +21,9 @@ stays active are fetched again: their partition seeks back to the first of them.
 And one more: `_drain_messages()` races each record's delivery against a flow stop (`wait_first(callback(message),
 suspend_flow.wait())`), cancels the loser, and marks the offset read either way. A record whose delivery lost
 that race (a rebalance, e.g. when the group evicts the member a kill -9 left behind) was neither processed nor
-fetched again: seen as "input offsets ...@140..140 were not processed here". Deliveries are shielded from that
-cancellation, and each waits for the one before it, so they finish, in order.
+fetched again: seen as "input offsets ...@140..140 were not processed here". Records of batch topics (the
+worker's input, below) no longer take that path; for the others (e.g. standby changelogs) deliveries are shielded
+from that cancellation, and each waits for the one before it, so they finish, in order.
 
 Batches. Faust hands records to agents one at a time: a task pair per record to race the flow stop, a
 conductor that builds an Event and queues it, a Stream that pops it and acks it. Measured at about 150 µs
