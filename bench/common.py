@@ -15,10 +15,12 @@ from pathlib import Path
 
 from streams.settings import REPO_ROOT, Settings
 
-BENCH_KAFKA_PORT = 29492  # below the ephemeral port range (no self-connect TIME_WAIT)
-BENCH_CONTROLLER_PORT = 29493
-BENCH_VALKEY_PORT = 29479
-BENCH_WEB_PORT = 56066
+# TREADLE_BENCH_PORT_SHIFT (default 0) moves every port below, so two benchmarks can run on one machine.
+_SHIFT = int(os.environ.get("TREADLE_BENCH_PORT_SHIFT", "0"))
+BENCH_KAFKA_PORT = 29492 + _SHIFT  # below the ephemeral port range (no self-connect TIME_WAIT)
+BENCH_CONTROLLER_PORT = 29493 + _SHIFT
+BENCH_VALKEY_PORT = 29479 + _SHIFT
+BENCH_WEB_PORT = 56066 - _SHIFT
 WORKER_CORE = 1
 
 
