@@ -41,12 +41,8 @@ class CreditProcessor:
     def setup(self, app: faust.App, settings: Settings) -> None:
         if self.credit is None:
             self.credit = EpisodeCredit(RuleChoice(CreditRule(settings.credit_rule), settings.credit_gamma))
-        self.table = app.Table(
-            self.name,
-            partitions=settings.partitions,
-            key_type=bytes,
-            value_type=bytes,
-            help="EpisodeState per (session_id, episode_id), serialized with orjson.",
+        self.table = table_writes.bytes_table(
+            app, self.name, settings, help="EpisodeState per (session_id, episode_id), serialized with orjson."
         )
 
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:

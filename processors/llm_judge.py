@@ -298,11 +298,10 @@ class LlmJudge:
             self.client = JudgeClient(
                 settings.llm_judge_url, settings.llm_judge_timeout_s, settings.llm_judge_concurrency
             )
-        self.table = app.Table(
+        self.table = table_writes.bytes_table(
+            app,
             self.name,
-            partitions=settings.partitions,
-            key_type=bytes,
-            value_type=bytes,
+            settings,
             help="PendingStep per logical_event_id (halves awaiting a call, or the published signal), orjson.",
         )
         app.on_before_shutdown.connect(self._close)

@@ -145,9 +145,12 @@ class StateProcessor:
                     history=settings.state_history,
                 )
             )
-        table = {"partitions": settings.partitions, "key_type": bytes, "value_type": bytes}  # raw, not JSON
-        self.sessions = app.Table(f"{self.name}-sessions", help="Commit record per session (orjson).", **table)
-        self.graph = app.Table(f"{self.name}-graph", help="Nodes, edges, versions, TTLs per session.", **table)
+        self.sessions = table_writes.bytes_table(
+            app, f"{self.name}-sessions", settings, help="Commit record per session (orjson)."
+        )
+        self.graph = table_writes.bytes_table(
+            app, f"{self.name}-graph", settings, help="Nodes, edges, versions, TTLs per session."
+        )
         catalog = TopicCatalog(settings)
         self._delta_topic = catalog.for_schema(DELTA).name
         ticks = app.topic(

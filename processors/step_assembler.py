@@ -220,6 +220,17 @@ class StepAssembler:
         ends = [_us(s.window_s) for s in self.policy_of(state).required if s.key not in state.passed]
         return state.dispatch["envelope"]["event_time"] + min(ends) if ends else None
 
+    def horizon_us(self, state: StepState) -> int:
+        """Event time after which no reward can be woven into the step any more: the latest deadline of its
+        policy (unknown sources get the default window and grace); with no dispatch, its latest orphan deadline."""
+        if state.dispatch is not None:
+            policy = self.policy_of(state)
+            deadlines = [spec.deadline_s for spec in policy.specs]
+            deadlines.append(policy.default_window_s + policy.default_grace_s)
+            return state.dispatch["envelope"]["event_time"] + _us(max(deadlines))
+        events = [*state.rewards.values(), *state.results.values()]
+        return max(self.orphan_deadline_us(event) for event in events)
+
     def outputs(self, state: StepState) -> list[tuple[str, dict[str, Any]]]:
         """The step's current rows: late rewards, then its woven reward (once due), then its transition."""
         if state.dispatch is None:
@@ -377,9 +388,10 @@ class StepAssembler:
             policy=state.reward_policy or "",
         )
 
-    def orphan_deadline_us(self, reward: dict[str, Any]) -> int:
-        policy = self.policies.for_dispatch(reward["envelope"]["event_time"])
-        return reward["envelope"]["event_time"] + _us(policy.orphan_wait_s)
+    def orphan_deadline_us(self, event: dict[str, Any]) -> int:
+        """When a reward (or tool result) with no dispatch stops waiting for one, in event time."""
+        policy = self.policies.for_dispatch(event["envelope"]["event_time"])
+        return event["envelope"]["event_time"] + _us(policy.orphan_wait_s)
 
     def orphan(self, state: StepState, event_id: str) -> dict[str, Any]:
         """Report a reward whose dispatch did not come within the orphan wait (marks it in the state)."""

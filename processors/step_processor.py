@@ -8,6 +8,10 @@ still missing a required reward source waits in a per-partition timer queue unti
 passes its close time; orphan rewards (no dispatch) wait until their orphan deadline. Both queues
 are checked after each batch and by a timer every TREADLE_WINDOW_TICK_S, so steps close even when
 no input arrives. The queues live in memory and are rebuilt from the table when the worker starts.
+
+Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
+be woven into it any more), the timer deletes its state (processors/step_expiry.py), so the table, and with it
+the worker's RocksDB memory and disk, are bounded by the steps of the last horizon + retention.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from processors.decoded_rows import DecodedRows
 from processors.policy_topic import PolicyTopic
 from processors.reward_policy import PolicyBook, load_policy_file
 from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, is_episode_reward
+from processors.step_expiry import StepExpiry
 from processors.watermarks import Watermarks
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
@@ -37,6 +42,7 @@ log = logging.getLogger(__name__)
 CLOSE = "close"
 POLICY_REFRESH_S = 5.0
 STEP_CACHE_SIZE = 20_000  # parsed step states kept between batches (a few KB each)
+EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
 
 
 @dataclass
@@ -64,15 +70,13 @@ class StepProcessor:
         self._recent: dict[str, deque[float]] = {}  # spec key -> recent values, for rolling-mean imputation
         self.policy_topic: PolicyTopic | None = None
         self._decoded: DecodedRows[StepState] = DecodedRows(STEP_CACHE_SIZE)
+        self.expiry = StepExpiry()
 
     def setup(self, app: faust.App, settings: Settings) -> None:
-        self.table = app.Table(
-            self.name,
-            partitions=settings.partitions,
-            key_type=bytes,  # Faust picks the raw serializer from the type; without it, JSON
-            value_type=bytes,
-            help="StepState per logical_event_id, serialized with orjson.",
+        self.table = table_writes.bytes_table(
+            app, self.name, settings, help="StepState per logical_event_id, serialized with orjson."
         )
+        self.expiry.setup(app, settings, self.name)
         if settings.reward_policy is not None:
             self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
         self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s)
@@ -138,6 +142,7 @@ class StepProcessor:
             if entry.changed:
                 await table_writes.put(self.table, key, state.to_bytes(), entry.event, ctx)
                 self._decoded.wrote(key, state, self._generation())
+                await self._index_expiry(state, entry.event.source.partition, ctx)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             self._schedule(state)
@@ -165,6 +170,11 @@ class StepProcessor:
                 await self._fire_due(partition, watermark, ctx)
                 open_steps += sum(1 for _, _, what in self._due[partition] if what == CLOSE)
             ctx.metrics.open_steps.set(open_steps)
+            for partition in self._active_partitions():
+                self.watermarks.advance(partition)
+                progress = self.watermarks.event_watermark(partition)  # not the idle advance: see watermarks.py
+                if progress is not None:
+                    await self._expire_due(partition, progress, ctx)
 
     async def _fire_due(self, partition: int, watermark: int | None, ctx: ProcessingContext) -> None:
         heap = self._due[partition]
@@ -183,6 +193,35 @@ class StepProcessor:
                 self._decoded.wrote(key, state, self._generation())
                 await self._publish(state, state.session_key, ctx, not_woven)
             self._schedule(state)
+
+    # --- expiry --------------------------------------------------------------------------------------------------
+
+    async def _index_expiry(self, state: StepState, partition: int, ctx: ProcessingContext) -> None:
+        """Make sure the step has its expiry entry (checked on every write: after a crash the local table may hold
+        a step whose entry never reached the changelog)."""
+        expires = self.expiry.expires_us(self.assembler.horizon_us(state))
+        if not self.expiry.is_indexed(expires, state.logical_event_id):
+            await self.expiry.index(expires, state.logical_event_id, partition, ctx)
+
+    async def _expire_due(self, partition: int, watermark: int, ctx: ProcessingContext) -> None:
+        for due in self.expiry.due(partition, watermark, EXPIRE_PER_TICK):
+            await self.expiry.unindex(due, partition, ctx)
+            key = due.logical_event_id.encode()
+            ctx.bind_partition(partition)
+            state = self._load(key)
+            if state is None:
+                continue
+            expires = self.expiry.expires_us(self.assembler.horizon_us(state))
+            if expires > watermark:  # its horizon moved since the entry was written
+                await self.expiry.index(expires, due.logical_event_id, partition, ctx)
+                continue
+            await table_writes.delete_in_partition(self.table, key, partition, ctx)
+            self._decoded.forget(key)
+            ctx.metrics.expired_steps.inc()
+
+    def _active_partitions(self) -> list[int]:
+        topic = self.table.changelog_topic.get_topic_name()
+        return sorted(tp.partition for tp in self.table.app.assignor.assigned_actives() if tp.topic == topic)
 
     def _load(self, key: bytes) -> StepState | None:
         """The step's state (the current event or partition must be bound), parsed once per generation."""

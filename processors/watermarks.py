@@ -7,6 +7,11 @@ back, as in Flink). A topic that has been silent on the partition for `idle_time
 processing time stops holding it back; when every topic is idle, the watermark advances with
 processing time (now - idle timeout), so open steps close even when nothing arrives.
 Watermarks never go back.
+
+The *event watermark* is the same without the processing-time advance: how far input events alone carry the
+partition (with every topic idle, the newest event time seen minus the lag).
+Step expiry goes by it, so a silent partition never deletes state on processing time alone (a replay of old
+events, paused for a moment, would otherwise lose its open steps).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class _TopicClock:
 class _PartitionClock:
     topics: dict[str, _TopicClock] = field(default_factory=dict)
     watermark_us: int | None = None
+    event_watermark_us: int | None = None  # from events only, no idle advance
 
 
 class Watermarks:
@@ -55,6 +61,13 @@ class Watermarks:
         clock = self._partitions.setdefault(partition, _PartitionClock())
         now = self.clock()
         active = [t for t in clock.topics.values() if now - t.last_seen_s < self.idle_timeout_s]
+        if clock.topics:
+            # every topic idle: none holds the events' progress back, the newest event time carries it
+            times = [t.max_event_us for t in clock.topics.values()]
+            newest = min(t.max_event_us for t in active) if active else max(times)
+            progress = newest - self.out_of_orderness_us
+            if clock.event_watermark_us is None or progress > clock.event_watermark_us:
+                clock.event_watermark_us = progress
         if active:
             candidate = min(t.max_event_us for t in active) - self.out_of_orderness_us
         else:
@@ -66,6 +79,11 @@ class Watermarks:
     def watermark(self, partition: int) -> int | None:
         clock = self._partitions.get(partition)
         return None if clock is None else clock.watermark_us
+
+    def event_watermark(self, partition: int) -> int | None:
+        """The watermark as input events carry it, never advanced by processing time (as of the last advance)."""
+        clock = self._partitions.get(partition)
+        return None if clock is None else clock.event_watermark_us
 
     def partitions(self) -> list[int]:
         return sorted(self._partitions)

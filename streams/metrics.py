@@ -21,6 +21,7 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_dead_letters_total": "counter",
     "treadle_late_rewards_total": "counter",
     "treadle_open_steps": "gauge",
+    "treadle_expired_steps_total": "counter",
     "treadle_watermark_lag_seconds": "gauge",
     "treadle_reward_join_latency_seconds": "histogram",
     "treadle_sink_batch_rows": "histogram",
@@ -74,7 +75,12 @@ class WorkerMetrics:
             registry=r,
         )  # fmt: skip
         self.open_steps = Gauge(
-            "treadle_open_steps", "Steps this worker has seen rewards or results for but no dispatch yet.", registry=r
+            "treadle_open_steps", "Steps waiting for the watermark to pass a required reward window.", registry=r
+        )
+        self.expired_steps = Counter(
+            "treadle_expired_steps",
+            "Step states deleted TREADLE_STEP_RETENTION_S after no reward could be woven into them any more.",
+            registry=r,
         )
         self.watermark_lag = Gauge(
             "treadle_watermark_lag_seconds",

@@ -172,6 +172,18 @@ class Settings(BaseModel):
         gt=0,
         description="TREADLE_STATE_ENDED_TTL_S: how long a closed session's latest state stays in Redis.",
     )
+    step_retention_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="TREADLE_STEP_RETENTION_S: a step's state is deleted this long (event time, by the watermark) "
+        "after its last reward deadline; a reward arriving later for it is reported as an orphan.",
+    )
+    table_memory_mb: int = Field(
+        default=64,
+        ge=4,
+        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory per table partition (block cache; write buffers get "
+        "a quarter more); Faust's own default is about 2.2 GB.",
+    )
     tool_schemas: Path | None = Field(
         default=None,
         description="TREADLE_TOOL_SCHEMAS: JSON file {tool: JSON Schema} checked at the processor boundary.",

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from processors.reward_policy import PolicyBook, PolicyError, RewardPolicy, RewardSpec, parse_policy
 from processors.step_assembler import DISPATCH, LATE, REWARD, TRANSITION, WOVEN, StepAssembler, StepState
+from processors.step_expiry import DueStep, index_key
 from processors.watermarks import Watermarks
 from tests.factories import dispatch, reward
 
@@ -192,19 +193,27 @@ def test_the_slowest_topic_holds_the_watermark_until_it_idles_then_processing_ti
     clock.now += 20  # every topic idle: processing time minus the idle timeout
     assert marks.advance(0) == int((clock.now - 10) * S)
     assert marks.lag_s(0) == pytest.approx(10)
+    assert marks.event_watermark(0) == 198 * S  # events alone carried it this far; expiry goes by this
+    marks.observe(0, "rewards", 120 * S)
+    clock.now += 11  # all idle again: the newest event time, not the slowest topic, carries the event watermark
+    marks.advance(0)
+    assert marks.event_watermark(0) == 198 * S
 
 
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 10**9), st.floats(0, 30)), max_size=40))
 def test_watermarks_never_go_back(observations: list[tuple[str, int, float]]) -> None:
     clock = Clock()
     marks = Watermarks(out_of_orderness_s=1, idle_timeout_s=10, clock=clock)
-    last = None
+    last = last_event = None
     for topic, event_us, wait in observations:
         clock.now += wait
         marks.observe(3, topic, event_us)
         current = marks.advance(3)
         assert last is None or current >= last
-        last = current
+        event = marks.event_watermark(3)
+        assert last_event is None or (event is not None and event >= last_event)
+        assert event is None or event <= max(e for _, e, _ in observations)  # never past what events carried
+        last, last_event = current, event
 
 
 # --- policies ----------------------------------------------------------------------------------------------------
@@ -239,3 +248,43 @@ def test_the_readme_policy_example_is_a_valid_policy() -> None:
     policy = parse_policy(text, "README.md")
     assert policy.version == "prod-3" and [s.key for s in policy.required] == ["llm_judge/*", "human/*"]
     assert [r.name for r in policy.fusion.rules] == ["compliance-veto", "clamp"]
+
+
+# --- expiry -----------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_events(), st.sampled_from(["judge", "human", "metric", "unknown"]), st.floats(0, 5000))
+def test_after_its_horizon_no_reward_changes_a_steps_rows_so_its_state_may_expire(
+    events: list[tuple[str, dict]], source: str, after_s: float
+) -> None:
+    """A reward whose event time is past the step's horizon, from any source, only adds a late-rewards row."""
+    a, state = assembler(), StepState("l-1")
+    for name, record in events:
+        a.fold(state, name, record)
+    a.pass_windows(state, T0 + 1000 * S)
+    before = rows(a, state)
+    horizon = a.horizon_us(state)
+    assert horizon == T0 + 86_400 * S  # the default window (1 day) of sources without a spec is the latest deadline
+    late = reward("s-1", "l-1", 99, 0.5, source)
+    late["envelope"]["event_time"] = horizon + 1 + int(after_s * S)
+    a.fold(state, REWARD, late)
+    after = rows(a, state)
+    assert after[WOVEN] == before[WOVEN] and after[TRANSITION] == before[TRANSITION]
+    late_ids = {r["event_id"] for r in after[LATE]}
+    assert late_ids == {r["event_id"] for r in before[LATE]} | {late["envelope"]["event_id"]}
+
+
+def test_a_step_with_no_dispatch_has_its_latest_orphan_deadline_as_horizon() -> None:
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 5, 2))
+    a.fold(state, REWARD, signal("l-1", "human", 1.0, 9, 3))
+    assert a.horizon_us(state) == T0 + (9 + 30) * S
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**63), st.text(min_size=1, max_size=40)), min_size=2, max_size=20))
+def test_expiry_index_keys_sort_by_time_then_step_and_parse_back(entries: list[tuple[int, str]]) -> None:
+    keys = [index_key(t, lid) for t, lid in entries]
+    assert [(d.expires_us, d.logical_event_id) for d in map(DueStep.parse, keys)] == entries
+    by_key = sorted(range(len(entries)), key=lambda i: keys[i])
+    assert [entries[i][0] for i in by_key] == sorted(t for t, _ in entries)

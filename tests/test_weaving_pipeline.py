@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from streams.settings import Settings
 from streams.sql_client import run_sql
-from tests.factories import RawProducer, dispatch, reward, wait_for
+from tests.factories import RawProducer, dispatch, reward, scrape, total, wait_for
 from topics.ids import uuid7
 
 S = 1_000_000
@@ -281,3 +281,48 @@ def test_with_no_new_input_an_open_step_closes_within_idle_timeout_plus_window(
     # idle timeout (2 s). Slack on top: a window tick (0.5 s), a sink flush (0.2 s) and a busy 2-core machine.
     assert row == {"status": "imputed", "reward": 0.5}
     assert 6 - 1 <= took <= 6 + settings_.idle_timeout_s + 4, took
+
+
+def test_a_step_expires_after_its_horizon_plus_retention_and_a_reward_after_that_is_reported(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Step A's horizon is its dispatch + 2 s (the default window, the latest deadline); retention 3 s. Step B's
+    dispatch, 20 s later in event time, moves the watermark past A's expiry, so A's state is deleted while B's stays:
+    B still weaves a reward sent after that, and a reward for A is reported as an orphan, not dropped."""
+    policy = {
+        "version": "expiry-test-1",
+        "default_window_s": 2,
+        "orphan_wait_s": 1,
+        "specs": [{"source": "judge", "window_s": 1, "grace_s": 1, "required": True}],
+    }
+    settings_ = weaving_settings(deployment, tmp_path, policy).model_copy(update={"step_retention_s": 3.0})
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    session, a, b = f"expiry-{uuid7()[-10:]}", uuid7(), uuid7()
+    now = int(time.time() * S)
+
+    def at(record: dict, seconds: float) -> dict:
+        record["envelope"]["event_time"] = now + int(seconds * S)
+        return record
+
+    events = [
+        (DISPATCH, at(dispatch(session, a, 0, 1), 0)),
+        (REWARD, at(reward(session, a, 2, 1.0, "judge", 1.0), 0.5)),
+        (DISPATCH, at(dispatch(session, b, 1, 3), 20)),
+    ]
+    asyncio.run(produce(settings_, events))
+    wait_for(lambda: total(scrape(settings_), "treadle_expired_steps_total") >= 1, 60, "step A to expire")
+    assert total(scrape(settings_), "treadle_expired_steps_total") == 1  # B is not past its horizon + retention
+    late_for_a = at(reward(session, a, 4, -1.0, "judge", 1.0), 10)
+    asyncio.run(produce(settings_, [(REWARD, late_for_a), (REWARD, at(reward(session, b, 5, 0.25, "judge"), 20.5))]))
+
+    def rows() -> dict | None:
+        _, steps = run_sql(settings_, f"SELECT step, reward_status, reward FROM transitions_latest "
+                                      f"WHERE session_id = '{session}' ORDER BY step")  # fmt: skip
+        _, late = run_sql(settings_, f"SELECT event_id, reason FROM late_rewards_latest WHERE session_id = '{session}'")
+        got = {"steps": [tuple(r) for r in steps], "late": [tuple(r) for r in late]}
+        return got if len(got["steps"]) == 2 and got["steps"][1][1] != "pending" and got["late"] else None
+
+    got = wait_for(rows, 60, "B's reward woven and A's late reward reported")
+    assert got["steps"] == [(0, "complete", 1.0), (1, "complete", 0.25)]
+    assert got["late"] == [(late_for_a["envelope"]["event_id"], "ORPHAN")]
