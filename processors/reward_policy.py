@@ -14,6 +14,7 @@ for its required sources.
 
 from __future__ import annotations
 
+import bisect
 import json
 from enum import StrEnum
 from pathlib import Path
@@ -110,6 +111,9 @@ class PolicyError(ValueError):
     """A policy file or record that cannot be used; the message says where and why."""
 
 
+_BUILT_IN = RewardPolicy()
+
+
 class PolicyBook:
     """Every known policy version; picks the one a step uses from its dispatch's event time."""
 
@@ -123,16 +127,17 @@ class PolicyBook:
         if known is not None and known != policy:
             raise PolicyError(f"policy version {policy.version} already exists with other content; use a new version")
         self._policies[policy.version] = policy
+        self._order = sorted(self._policies.values(), key=lambda p: (p.effective_from_us, p.version))
+        self._starts = [p.effective_from_us for p in self._order]
 
     def for_dispatch(self, dispatch_us: int) -> RewardPolicy:
-        candidates = [p for p in self._policies.values() if p.effective_from_us <= dispatch_us]
-        if not candidates:
-            return RewardPolicy()
-        return max(candidates, key=lambda p: (p.effective_from_us, p.version))
+        """The newest policy effective at `dispatch_us` (runs for every event: a bisect, not a scan)."""
+        newest = bisect.bisect_right(self._starts, dispatch_us)
+        return self._order[newest - 1] if newest else _BUILT_IN
 
     def get(self, version: str) -> RewardPolicy:
         """The version a step recorded; the built-in default if it is unknown here (logged by callers)."""
-        return self._policies.get(version) or RewardPolicy()
+        return self._policies.get(version) or _BUILT_IN
 
     def __contains__(self, version: str) -> bool:
         return version in self._policies

@@ -58,9 +58,9 @@ class StepExpiry:
     def expires_us(self, horizon_us: int) -> int:
         return horizon_us + self.retention_us
 
-    def is_indexed(self, expires_us: int, logical_event_id: str) -> bool:
-        """Whether the entry exists (the input event or partition of the step must be bound)."""
-        return self.table.data.get(index_key(expires_us, logical_event_id)) is not None
+    def is_indexed(self, expires_us: int, logical_event_id: str, partition: int) -> bool:
+        key = index_key(expires_us, logical_event_id)
+        return table_writes.get_in_partition(self.table, key, partition) is not None
 
     async def index(self, expires_us: int, logical_event_id: str, partition: int, ctx: ProcessingContext) -> None:
         key = index_key(expires_us, logical_event_id)

@@ -71,6 +71,7 @@ class StepProcessor:
         self.policy_topic: PolicyTopic | None = None
         self._decoded: DecodedRows[StepState] = DecodedRows(STEP_CACHE_SIZE)
         self.expiry = StepExpiry()
+        self._indexed: DecodedRows[int] = DecodedRows(STEP_CACHE_SIZE)  # key -> expiry time known to be indexed
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
@@ -123,7 +124,7 @@ class StepProcessor:
             try:
                 if entry is None:
                     ctx.bind(event)
-                    state = self._load(key) or StepState(key.decode())
+                    state = self._load(key, event.source.partition) or StepState(key.decode())
                     state.partition = event.source.partition
                     entry = touched[key] = _Touched(state, event, self._not_woven(state))
                 joined_before = _joined_rewards(entry.state)
@@ -142,7 +143,7 @@ class StepProcessor:
             if entry.changed:
                 await table_writes.put(self.table, key, state.to_bytes(), entry.event, ctx)
                 self._decoded.wrote(key, state, self._generation())
-                await self._index_expiry(state, entry.event.source.partition, ctx)
+                await self._index_expiry(key, state, entry.event.source.partition, ctx)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             self._schedule(state)
@@ -184,7 +185,7 @@ class StepProcessor:
         for lid in sorted(due):
             key = lid.encode()
             ctx.bind_partition(partition)
-            state = self._load(key)
+            state = self._load(key, partition)
             if state is None:
                 continue
             not_woven = self._not_woven(state)
@@ -196,38 +197,43 @@ class StepProcessor:
 
     # --- expiry --------------------------------------------------------------------------------------------------
 
-    async def _index_expiry(self, state: StepState, partition: int, ctx: ProcessingContext) -> None:
-        """Make sure the step has its expiry entry (checked on every write: after a crash the local table may hold
-        a step whose entry never reached the changelog)."""
+    async def _index_expiry(self, key: bytes, state: StepState, partition: int, ctx: ProcessingContext) -> None:
+        """Make sure the step has its expiry entry: looked up once per generation, not only for new steps (after a
+        crash the local table may hold a step whose entry never reached the changelog)."""
         expires = self.expiry.expires_us(self.assembler.horizon_us(state))
-        if not self.expiry.is_indexed(expires, state.logical_event_id):
+        if self._indexed.get(key, self._generation()) == expires:
+            return
+        if not self.expiry.is_indexed(expires, state.logical_event_id, partition):
             await self.expiry.index(expires, state.logical_event_id, partition, ctx)
+        self._indexed.wrote(key, expires, self._generation())
 
     async def _expire_due(self, partition: int, watermark: int, ctx: ProcessingContext) -> None:
         for due in self.expiry.due(partition, watermark, EXPIRE_PER_TICK):
             await self.expiry.unindex(due, partition, ctx)
             key = due.logical_event_id.encode()
             ctx.bind_partition(partition)
-            state = self._load(key)
+            state = self._load(key, partition)
             if state is None:
                 continue
             expires = self.expiry.expires_us(self.assembler.horizon_us(state))
             if expires > watermark:  # its horizon moved since the entry was written
                 await self.expiry.index(expires, due.logical_event_id, partition, ctx)
+                self._indexed.wrote(key, expires, self._generation())
                 continue
             await table_writes.delete_in_partition(self.table, key, partition, ctx)
             self._decoded.forget(key)
+            self._indexed.forget(key)
             ctx.metrics.expired_steps.inc()
 
     def _active_partitions(self) -> list[int]:
         topic = self.table.changelog_topic.get_topic_name()
         return sorted(tp.partition for tp in self.table.app.assignor.assigned_actives() if tp.topic == topic)
 
-    def _load(self, key: bytes) -> StepState | None:
-        """The step's state (the current event or partition must be bound), parsed once per generation."""
+    def _load(self, key: bytes, partition: int) -> StepState | None:
+        """The step's state, parsed once per generation."""
         state = self._decoded.get(key, self._generation())
         if state is None:
-            stored = self.table.get(key)
+            stored = table_writes.get_in_partition(self.table, key, partition)
             state = StepState.from_bytes(stored) if stored is not None else None
         return state
 

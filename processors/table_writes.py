@@ -31,6 +31,12 @@ def bytes_table(app: faust.App, name: str, settings: Settings, help: str) -> Any
     return app.Table(name, partitions=settings.partitions, key_type=bytes, value_type=bytes, help=help, options=options)
 
 
+def get_in_partition(table: Any, key: bytes, partition: int) -> bytes | None:
+    """table.get(key), read from the partition's RocksDB directly. Faust's path raises and catches a KeyError for
+    every missing key (most new steps), runs sensors and updates its key index: ~5% of a worker's CPU."""
+    return table.data._db_for_partition(partition).get(key)
+
+
 def keys_in_order(table: Any, partition: int) -> Iterator[bytes]:
     """One partition's keys in byte order, read from its RocksDB directly (Faust's iteration walks every active
     partition and has no start key). Assumes the rocksdict driver, Faust's default and the one we install."""
