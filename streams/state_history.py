@@ -138,13 +138,17 @@ def edges_sql(session: str, ordinal: int) -> str:
 def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) -> str:
     """Nodes whose content a call of `tool` created in the last `minutes` (by version time).
 
-    state_node_causes is sorted by (tool, time), for one session or all. DISTINCT, not FINAL, collapses a node
-    opened twice in the window and rows a replay inserted twice.
+    state_node_causes is sorted by (tool, time), for one session or all. `LIMIT 1 BY` every output column, not
+    FINAL, collapses a node opened twice in the window and rows a replay inserted twice: the same rows as
+    DISTINCT, about 2 ms sooner at 13,000 rows on chDB (bench/state_bench.py).
     """
     where = f"caused_by_tool = {quote(tool)} AND valid_from >= now64(6) - INTERVAL {int(minutes)} MINUTE"
     if session is not None:
-        return f"SELECT DISTINCT node_id, type FROM state_node_causes WHERE {where} AND session_id = {quote(session)}"
-    return f"SELECT DISTINCT session_id, node_id, type FROM state_node_causes WHERE {where}"
+        return (
+            f"SELECT node_id, type FROM state_node_causes WHERE {where} AND session_id = {quote(session)} "
+            "LIMIT 1 BY node_id, type"
+        )
+    return f"SELECT session_id, node_id, type FROM state_node_causes WHERE {where} LIMIT 1 BY session_id, node_id, type"
 
 
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
