@@ -13,3 +13,9 @@ ALTER TABLE {database}.state_versions
 ALTER TABLE {database}.state_edges
     MODIFY COLUMN src String COMMENT 'Source node id.',
     MODIFY COLUMN data_json String COMMENT 'Edge data (canonical JSON).';
+ALTER TABLE {database}.state_edge_ends MODIFY COLUMN session_id String COMMENT 'Session.';
+ALTER TABLE {database}.state_edges MODIFY COLUMN session_id String COMMENT 'Session.';
+ALTER TABLE {database}.state_node_ends MODIFY COLUMN session_id String COMMENT 'Session.';
+ALTER TABLE {database}.state_node_causes MODIFY COLUMN session_id String COMMENT 'Session.';
+ALTER TABLE {database}.state_nodes MODIFY COLUMN session_id String COMMENT 'Session.';
+ALTER TABLE {database}.state_versions MODIFY COLUMN session_id String COMMENT 'Session whose state this is.';
