@@ -177,11 +177,22 @@ def old_rows(versions: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
-def _wait_for_merges(ch: Any, timeout: float) -> float:
-    """Seconds until no merge of the inserted parts runs (merges compete with the timed queries for the cores)."""
+def _state_parts(ch: Any) -> dict[str, int]:
+    """Active parts per state table."""
+    sql = (
+        "SELECT table, count() FROM system.parts WHERE active AND database = currentDatabase() "
+        "AND table LIKE 'state\\_%' GROUP BY table"
+    )
+    return dict(ch.query_sync(sql).result_rows)
+
+
+def _wait_for_quiet_merge(ch: Any, timeout: float) -> float:
+    """Seconds until each state table is one part and no merge runs, as a sink's tables are once it has been
+    quiet for min_age_to_force_merge_seconds (migration 0014); merges compete with the timed queries."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
-        if not ch.query_sync("SELECT count() FROM system.merges").result_rows[0][0]:
+        merging = ch.query_sync("SELECT count() FROM system.merges").result_rows[0][0]
+        if not merging and all(n == 1 for n in _state_parts(ch).values()):
             break
         time.sleep(0.2)
     return time.perf_counter() - started
@@ -213,7 +224,13 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
                  "valid_to", "expires_at", "caused_by_tool", "closed"]  # fmt: skip
         for i in range(0, len(old), batch):
             ch.insert_sync("old_state_nodes", old[i : i + batch], names)
-        merging_s = _wait_for_merges(ch, 60.0)
+        last, middle = state.ordinal, state.ordinal // 2
+        arrow = ch.read_only_queries_arrow_sync
+        in_process = lambda: read_state_arrow(arrow, SESSION, last)  # noqa: E731
+        tool_sql = caused_by_tool_sql("search", 5, SESSION)
+        busy_parts = _state_parts(ch)
+        (busy_state, size), (busy_tool, tool_size) = interleaved([in_process, lambda: arrow([tool_sql])], runs)
+        quiet_s = _wait_for_quiet_merge(ch, 60.0)
 
         def q(sql: str) -> Callable[[], Any]:
             return lambda: ch.query_sync(sql).result_rows
@@ -224,9 +241,13 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         count = ch.query_sync("SELECT (SELECT count() FROM state_nodes), (SELECT count() FROM state_edges)").result_rows
         opened, edges = count[0]
         results.append((f"{state.ordinal} versions, {state.node_count:,} live nodes, {opened:,} node intervals, "
-                        f"{edges:,} edge intervals; measured once background merges were done ({merging_s:.1f}s), "
-                        "as a sink's tables are between its inserts", 0.0, 0))  # fmt: skip
-        last, middle = state.ordinal, state.ordinal // 2
+                        f"{edges:,} edge intervals; measured once the tables had been quiet long enough to be "
+                        f"merged into one part each ({quiet_s:.1f}s), as a sink's tables are between bursts",
+                        0.0, 0))  # fmt: skip
+        results.append((f"right after the inserts ({max(busy_parts.values())} parts per table at most), "
+                        "as while a sink keeps writing:", 0.0, 0))  # fmt: skip
+        results.append(("  state at V (last), in process", busy_state, size))
+        results.append(("  nodes caused by tool X, as Arrow", busy_tool, tool_size))
         old_at = (
             "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at), caused_by_tool FROM old_state_nodes "
             f"FINAL WHERE session_id = '{SESSION}' AND from_ordinal <= {{v}} AND to_ordinal > {{v}}"
@@ -253,8 +274,6 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         count_at = f"SELECT count() FROM ({nodes_sql(SESSION, last)})"
         results.append(("state at V (last), count() only", *p50(q(count_at), runs)))
         run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
-        arrow = ch.read_only_queries_arrow_sync
-        in_process = lambda: read_state_arrow(arrow, SESSION, last)  # noqa: E731
         one_by_one = lambda qs: [ch.read_only_query_arrow_sync(q) for q in qs]  # noqa: E731
         in_series = lambda: read_state_arrow(one_by_one, SESSION, last)  # noqa: E731
         (paired_ms, size), (series_ms, _) = interleaved([in_process, in_series], runs)
@@ -274,7 +293,6 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
             results.append(
                 ("  baseline: earlier state_at, /sql JSON rows", *p50(lambda: _rows_state(settings, last), 3)),
             )
-            tool_sql = caused_by_tool_sql("search", 5, SESSION)
             tool_arrow = lambda: run_sql_arrow(settings, tool_sql).to_batches()  # noqa: E731
             results.append(("nodes caused by tool X: via /arrow endpoint", *p50(tool_arrow, runs)))
             tool_rows = lambda: run_sql(settings, tool_sql)[1]  # noqa: E731

@@ -337,12 +337,17 @@ def test_every_up_script_is_reversible_and_uses_the_database_placeholder() -> No
 
 
 def _alters_only_if_needed(statement: str, action: str, guard: str) -> bool:
-    """An ALTER TABLE is re-runnable when it only does `action` and every one of them carries `guard`."""
+    """An ALTER TABLE is re-runnable when it only does `action` and every one of them carries `guard`.
+
+    Clauses that set a state rather than change it (MODIFY SETTING, RESET SETTING, MODIFY COLUMN to a type)
+    are re-runnable as they are.
+    """
     if not statement.startswith("ALTER TABLE"):
         return True
     body = re.sub(r"^ALTER TABLE\s+\S+\s+", "", statement)
-    clauses = re.split(r",\s*(?=(?:ADD|DROP|MODIFY|RENAME|CLEAR|COMMENT|MATERIALIZE|UPDATE|DELETE)\s)", body)
-    return all(re.match(rf"{action} {guard} ", clause) for clause in clauses)
+    clauses = re.split(r",\s*(?=(?:ADD|DROP|MODIFY|RENAME|CLEAR|COMMENT|MATERIALIZE|UPDATE|DELETE|RESET)\s)", body)
+    settled = r"(MODIFY SETTING|RESET SETTING|MODIFY COLUMN \w+ [A-Za-z]\w*(\(\w+\))?( COMMENT '[^']*')?$)"
+    return all(re.match(rf"{action} {guard} ", clause) or re.match(settled, clause) for clause in clauses)
 
 
 def test_table_columns_match_the_ddl(store: ClickHouseStore) -> None:

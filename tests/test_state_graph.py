@@ -587,3 +587,32 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         got, got_edges = read_state(run, session, At(time=moment)).content()
         assert (got, set(got_edges)) == (want, edges), f"time after version {v['ordinal']}"
         assert read_state_arrow(arrow, session, At(time=moment)).content() == (got, got_edges)
+
+
+def test_caused_by_tool_sql_gives_each_node_and_type_once(history):
+    """A node opened twice in the window, a row a replay inserted twice (another part), a node whose type changed:
+    one row per (node, type), as DISTINCT would give; other tools, older rows and (per session) other sessions out.
+    The tool has a name of its own: the module's tests share the database."""
+    from streams.state_history import caused_by_tool_sql
+
+    columns = "(caused_by_tool, valid_from, session_id, node_id, type, from_ordinal)"
+    rows = [
+        ("probe", 60, "c1", "a", "memory", 1),
+        ("probe", 30, "c1", "a", "memory", 3),  # a again, later, same tool
+        ("probe", 50, "c1", "b", "memory", 2),
+        ("probe", 50, "c1", "b", "memory", 2),  # replayed: the same row in a second part
+        ("probe", 40, "c1", "c", "memory", 2),
+        ("probe", 20, "c1", "c", "fact", 4),  # c's type changed: both pairs stay
+        ("write", 20, "c1", "d", "memory", 4),  # another tool
+        ("probe", 600, "c1", "e", "memory", 0),  # ten minutes ago
+        ("probe", 10, "c2", "a", "memory", 1),  # another session
+    ]
+    for tool, ago, session, node, kind, ordinal in rows:
+        history.command_sync(
+            f"INSERT INTO state_node_causes {columns} VALUES "
+            f"('{tool}', now64(6) - INTERVAL {ago} SECOND, '{session}', '{node}', '{kind}', {ordinal})"
+        )
+    one = history.read_only_query_sync(caused_by_tool_sql("probe", 5, "c1")).result_rows
+    assert sorted(one) == [("a", "memory"), ("b", "memory"), ("c", "fact"), ("c", "memory")]
+    every = history.read_only_query_sync(caused_by_tool_sql("probe", 5)).result_rows
+    assert sorted(every) == sorted([("c1", n, t) for n, t in one] + [("c2", "a", "memory")])
