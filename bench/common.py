@@ -93,6 +93,14 @@ def local_stack(settings: Settings) -> Iterator[float]:
         stack.down()
 
 
+def loadavg() -> str:
+    """The 1, 5 and 15-minute load averages, to print beside a result (other work on the machine skews it)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 # --- CPU pinning ------------------------------------------------------------------------------------------
 
 

@@ -225,11 +225,16 @@ def weaving_plan(
         k += 1
 
 
+def _unsent_envelope(session: str, lid: str) -> dict:
+    """A step's envelope with a fresh event_id; seq and event_time are set when it is sent (Planned.encode)."""
+    return _envelope(session, lid, 0, lid.replace("-", ""))
+
+
 def _weaving_step(rng: random.Random, session: str, k: int, at: float) -> list[Planned]:
     lid = uuid7()
 
     def env() -> dict:
-        return _envelope(session, lid, 0, lid.replace("-", ""))  # seq and event_time are set when sent
+        return _unsent_envelope(session, lid)
 
     tool = rng.choice(TOOLS)
     items = [
@@ -310,3 +315,33 @@ class WeavingExpectation:
 
     def late(self) -> set[str]:
         return {eid for step in self.steps.values() for eid in step.late}
+
+
+def partition_keys(partitions: int, prefix: str = "sentinel") -> list[str]:
+    """A session id per partition, found with Kafka's default partitioner (murmur2, as the SDK sends)."""
+    from streams.batching import default_partition
+
+    keys: dict[int, str] = {}
+    n = 0
+    while len(keys) < partitions:
+        key = f"{prefix}-{n}"
+        keys.setdefault(default_partition(key.encode(), partitions), key)
+        n += 1
+    return [keys[p] for p in range(partitions)]
+
+
+def sentinels(partitions: int, at_s: float) -> list[Planned]:
+    """Per partition, one event on each input topic the workload uses (a step of its own), `at_s` into the run.
+
+    Sent last with an event time past every window, they move every partition's watermark (the slowest input
+    topic of a partition holds it back) past every step's windows, so steps close without idle timeouts."""
+    rng = random.Random(0)
+    out = []
+    for session in partition_keys(partitions):
+        lid = uuid7()
+        out += [
+            Planned(at_s, DISPATCH, dispatch_record(rng, _unsent_envelope(session, lid), 0, "search")),
+            Planned(at_s, RESULT, result_record(rng, _unsent_envelope(session, lid), "search")),
+            Planned(at_s, REWARD, reward_record(rng, _unsent_envelope(session, lid), "judge")),
+        ]
+    return out
