@@ -35,12 +35,14 @@ class PacedRun:
     behind_s: float = 0.0  # worst delay of a send behind its schedule
     acks: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # reward id -> (wall time, partition, offset)
     failed: int = 0
+    steady: tuple[int, float] | None = None  # (sent, seconds) when the last dispatch was sent
 
     @property
     def rate(self) -> float:
-        if self.first_s is None or self.last_s is None or self.last_s <= self.first_s:
+        """Input events/s while dispatches were still being planned (after it, only the steps' tails are sent)."""
+        if self.steady is None or self.steady[1] <= 0:
             return float("nan")
-        return (self.sent - 1) / (self.last_s - self.first_s)
+        return self.steady[0] / self.steady[1]
 
 
 async def send_paced(
@@ -50,6 +52,7 @@ async def send_paced(
     run: PacedRun,
     expectation: WeavingExpectation | None = None,
     poller: CompletePoller | None = None,
+    steady_s: float | None = None,
 ) -> None:
     """Send every planned event at its time (event_time = now); with an expectation, note rewards' acks and
     hand steps whose last required reward was just sent to the poller."""
@@ -64,6 +67,8 @@ async def send_paced(
             run.behind_s = max(run.behind_s, -delay)
             if run.sent % 200 == 0:
                 await asyncio.sleep(0)  # let the poller and the receipts reader run when the producer is behind
+        if run.steady is None and steady_s is not None and item.at_s >= steady_s and run.first_s is not None:
+            run.steady = (run.sent - 1, run.last_s - run.first_s)  # type: ignore[operator]
         value = item.encode(codec, time.time_ns() // 1000, seqs)
         future = await producer.send(topics[item.schema], value, key=item.session_id.encode())
         run.last_s = time.perf_counter()
@@ -96,7 +101,7 @@ class CompletePoller:
     after the oldest pending step's, and never more than `horizon_s` back (older pending steps count as stale).
     """
 
-    def __init__(self, settings: Settings, interval_s: float = 0.1, horizon_s: float = 10.0) -> None:
+    def __init__(self, settings: Settings, interval_s: float = 0.1, horizon_s: float = 30.0) -> None:
         self.settings = settings
         self.interval_s = interval_s
         self.horizon_s = horizon_s
@@ -106,15 +111,15 @@ class CompletePoller:
         self.query_s: list[float] = []
         self.errors = 0
 
-    async def run(self, stop: asyncio.Event, drain_s: float = 15.0) -> None:
-        """Poll until `stop` is set and nothing is pending (or `drain_s` after stop)."""
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll until `stop` is set and nothing is pending (or until the horizon has passed since)."""
         from streams.sql_client import QueryFailedError, run_sql
 
         stopped_at: float | None = None
         while True:
             if stop.is_set():
                 stopped_at = stopped_at or time.perf_counter()
-                if not self.pending or time.perf_counter() - stopped_at > drain_s:
+                if not self.pending or time.perf_counter() - stopped_at > self.horizon_s:
                     return
             await asyncio.sleep(self.interval_s)
             if not self.pending:

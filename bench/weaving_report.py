@@ -131,6 +131,8 @@ def latency_table(
 ) -> None:
     visible, floor, no_ack = latencies(expectation, run, poller, receipts)
     complete = sum(step.complete for step in expectation.steps.values())
+    unseen = len(poller.stale) + len(poller.pending)
+    visible += [float("inf")] * unseen  # not seen within the horizon: counted, as slower than any seen
     queries = poller.query_s
     table = _table("weaving: latency at a paced input rate", ["N", "p50 s", "p90 s", "p99 s", "max s", "target"])
     table.add_row(
@@ -153,11 +155,12 @@ def latency_table(
         "[green]p99 <= 2 s ok[/]" if ok else "[red]p99 <= 2 s MISSED (or wrong rows / rate)[/]",
         "\n".join(
             [
-                f"achieved {run.rate:,.0f} input events/s (asked {args.rate:,.0f}); {run.sent:,} sent, worst send "
+                f"achieved {run.rate:,.0f} input events/s (asked {args.rate:,.0f}) until the last dispatch; "
+                f"{run.sent:,} sent, worst send "
                 f"{run.behind_s * 1000:.0f} ms behind schedule, {run.failed} failed",
-                f"{complete:,} steps had every required reward in time; measured {len(visible):,}, "
-                f"{len(poller.stale)} not seen within {poller.horizon_s:g}s, {len(poller.pending)} never seen, "
-                f"{no_ack} without an ack",
+                f"{complete:,} steps had every required reward in time; measured {len(visible) - unseen:,}, "
+                f"{len(poller.stale)} not seen within {poller.horizon_s:g}s and {len(poller.pending)} never seen "
+                f"(both counted as inf), {no_ack} without an ack",
                 f"resolution: a poll every {poller.interval_s * 1000:.0f} ms + the query ({len(queries)} queries, p50 "
                 f"{1000 * percentile(queries, 50):.0f} ms, max {1000 * max(queries or [0]):.0f} ms); the time taken "
                 "is the end of the first query that returns the row (an upper bound)",

@@ -179,7 +179,7 @@ async def _live(settings: Settings, rate: float, duration: float, sessions: int)
     try:
         tasks = [asyncio.create_task(poller.run(stop)), asyncio.create_task(receipts.run(stop))]
         plan = weaving_plan(rate, sessions=sessions, seed=11, duration_s=duration)
-        await send_paced(producer, plan, _topics(settings), run, expectation, poller)
+        await send_paced(producer, plan, _topics(settings), run, expectation, poller, steady_s=duration)
         stop.set()
         await asyncio.gather(*tasks)
     finally:
@@ -228,7 +228,7 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
     try:
         sampler = asyncio.create_task(sample())
         plan = weaving_plan(args.soak_rate, sessions=args.sessions, seed=13, duration_s=args.soak_minutes * 60)
-        await send_paced(producer, plan, _topics(settings), run)
+        await send_paced(producer, plan, _topics(settings), run, steady_s=args.soak_minutes * 60)
         stop.set()
         await sampler
     finally:
