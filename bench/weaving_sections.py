@@ -24,8 +24,7 @@ from bench.weaving_report import (
 )
 from bench.worker_bench import BenchWorker, backlog_catch_up, consume_baseline, cpu_notes
 from bench.workload import (
-    DISPATCH,
-    RESULT,
+    KIND_OF,
     REWARD,
     WINDOWS,
     WeavingExpectation,
@@ -42,7 +41,6 @@ from topics.codec import AvroCodec
 SECTIONS = ("throughput", "latency", "soak")
 SECTION = "weaving: throughput (backlog)"
 STEP_RETENTION_S = "30"  # TREADLE_STEP_RETENTION_S for the soak (ignored by workers without the setting)
-KIND_OF = {DISPATCH: "actions", RESULT: "tool_results", REWARD: "rewards"}
 
 
 @dataclass
