@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from bench.workload import REWARD, Planned, WeavingExpectation
+from bench.workload import REWARD, TRANSITION, Planned, WeavingExpectation
 from streams.settings import Settings
 from topics.codec import AvroCodec
 
@@ -145,17 +145,26 @@ class CompletePoller:
                     self.seen[lid] = ended
 
 
-class Receipts:
-    """A raw consumer of the rewards topic: when each (partition, offset) arrived, for the Kafka-floor baseline."""
+@dataclass
+class Observed:
+    """Everything the latency run noted: sends and acks, the expectation, and the three observers."""
+
+    run: PacedRun
+    expectation: WeavingExpectation
+    poller: CompletePoller
+    receipts: Receipts
+    published: Published
+
+
+class _Tail:
+    """A raw consumer positioned at the end of a topic before anything is produced; `take` gets every batch."""
 
     def __init__(self, settings: Settings, topic: str) -> None:
         self.settings = settings
         self.topic = topic
-        self.at: dict[tuple[int, int], float] = {}
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
-        """Assigned and positioned at the end before anything is produced."""
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap_servers, enable_auto_commit=False
         )
@@ -173,7 +182,36 @@ class Receipts:
                 batches = await self._consumer.getmany(timeout_ms=50, max_records=5000)
                 now = time.time()
                 for tp, messages in batches.items():
-                    for message in messages:
-                        self.at[(tp.partition, message.offset)] = now
+                    self.take(tp.partition, messages, now)
         finally:
             await self._consumer.stop()
+
+    def take(self, partition: int, messages: list, now: float) -> None:
+        raise NotImplementedError
+
+
+class Receipts(_Tail):
+    """The rewards topic: when each (partition, offset) arrived, for the Kafka-floor baseline."""
+
+    def __init__(self, settings: Settings, topic: str) -> None:
+        super().__init__(settings, topic)
+        self.at: dict[tuple[int, int], float] = {}
+
+    def take(self, partition: int, messages: list, now: float) -> None:
+        for message in messages:
+            self.at[(partition, message.offset)] = now
+
+
+class Published(_Tail):
+    """The transitions topic: when the worker first published each step's `complete` Transition (before the sink)."""
+
+    def __init__(self, settings: Settings, topic: str) -> None:
+        super().__init__(settings, topic)
+        self.at: dict[str, float] = {}
+        self._codec = AvroCodec()
+
+    def take(self, partition: int, messages: list, now: float) -> None:
+        for message in messages:
+            record = self._codec.decode(message.value, expect=TRANSITION)[1]
+            if record["reward_status"] == "complete":
+                self.at.setdefault(record["logical_event_id"], now)

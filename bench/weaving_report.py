@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import Measurement
-from bench.paced import COMPLETE_SQL, CompletePoller, PacedRun, Receipts
+from bench.paced import COMPLETE_SQL, Observed, PacedRun
 from bench.workload import WeavingExpectation
 from streams.settings import Settings
 
@@ -98,69 +98,77 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def latencies(
-    expectation: WeavingExpectation, run: PacedRun, poller: CompletePoller, receipts: Receipts
-) -> tuple[list[float], list[float], int]:
-    """Seconds from the last required reward's ack to its step's complete row in ClickHouse; the same reward's
-    ack to a raw consumer's receipt (the Kafka floor); and steps left out for a missing ack."""
-    visible, floor, no_ack = [], [], 0
-    for lid, seen in poller.seen.items():
-        step = expectation.steps[lid]
-        acks = [run.acks.get(eid) for eid, (src, t) in step.rewards.items() if not step.is_late(src, t)]
+@dataclass
+class Latencies:
+    """Seconds from each complete step's last required reward's ack to: its complete row in ClickHouse (visible),
+    its complete Transition on the topic (published), and a raw consumer's receipt of that reward (floor)."""
+
+    visible: list[float]
+    published: list[float]
+    floor: list[float]
+    no_ack: int = 0
+
+
+def latencies(seen: Observed) -> Latencies:
+    out = Latencies([], [], [])
+    inf = float("inf")
+    for lid, step in seen.expectation.steps.items():
+        if not step.complete:
+            continue
+        acks = [seen.run.acks.get(eid) for eid, (src, t) in step.rewards.items() if not step.is_late(src, t)]
         if any(a is None for a in acks):
-            no_ack += 1
+            out.no_ack += 1
             continue
         acked, partition, offset = max(acks)  # type: ignore[type-var]
-        visible.append(seen - acked)
-        received = receipts.at.get((partition, offset))
+        out.visible.append(seen.poller.seen.get(lid, inf) - acked)  # inf: not seen within the poller's horizon
+        out.published.append(seen.published.at.get(lid, inf) - acked)
+        received = seen.receipts.at.get((partition, offset))
         if received is not None:
-            floor.append(received - acked)
-    return visible, floor, no_ack
+            out.floor.append(received - acked)
+    return out
 
 
 def latency_table(
-    console: Console,
-    pin_words: str,
-    args: argparse.Namespace,
-    expectation: WeavingExpectation,
-    run: PacedRun,
-    poller: CompletePoller,
-    receipts: Receipts,
-    check: Check,
-    notes: list[str],
+    console: Console, pin_words: str, args: argparse.Namespace, seen: Observed, check: Check, notes: list[str]
 ) -> None:
-    visible, floor, no_ack = latencies(expectation, run, poller, receipts)
-    complete = sum(step.complete for step in expectation.steps.values())
-    unseen = len(poller.stale) + len(poller.pending)
-    visible += [float("inf")] * unseen  # not seen within the horizon: counted, as slower than any seen
-    queries = poller.query_s
+    found = latencies(seen)
+    run, poller, queries = seen.run, seen.poller, seen.poller.query_s
+    complete = sum(step.complete for step in seen.expectation.steps.values())
     table = _table("weaving: latency at a paced input rate", ["N", "p50 s", "p90 s", "p99 s", "max s", "target"])
     table.add_row(
         "raw Kafka delivery",
         "the same last required reward: broker ack -> a raw consumer of the rewards topic in the bench has it",
-        f"{len(floor):,}",
-        *_quantiles(floor),
+        f"{len(found.floor):,}",
+        *_quantiles(found.floor),
         "baseline",
         "consumer polls with getmany(timeout_ms=50); negative: received before the ack callback ran",
     )
-    p99 = percentile(visible, 99)
-    ok = check.ok and len(visible) > 0 and p99 <= 2.0 and abs(run.rate - args.rate) <= 0.05 * args.rate
+    table.add_row(
+        "complete Transition on the topic",
+        "last required reward acked -> a raw consumer of the transitions topic reads the step's first Transition "
+        "with reward_status = 'complete' (the worker's part, before the sink)",
+        f"{len(found.published):,} steps",
+        *_quantiles(found.published),
+        "",
+        "inf: not on the topic before the poller gave up",
+    )
+    p99 = percentile(found.visible, 99)
+    ok = check.ok and found.visible and p99 <= 2.0 and abs(run.rate - args.rate) <= 0.05 * args.rate
     table.add_row(
         "complete row visible",
         f"`treadle worker` {pin_words}, paced producer: last required reward acked -> its step's row with "
         f"reward_status = 'complete' first returned by `{COMPLETE_SQL.format(since='<oldest pending>')}` "
         "via run_sql (the worker's sink endpoint)",
-        f"{len(visible):,} steps",
-        *_quantiles(visible),
+        f"{len(found.visible):,} steps",
+        *_quantiles(found.visible),
         "[green]p99 <= 2 s ok[/]" if ok else "[red]p99 <= 2 s MISSED (or wrong rows / rate)[/]",
         "\n".join(
             [
                 f"achieved {run.rate:,.0f} input events/s (asked {args.rate:,.0f}) until the last dispatch; "
-                f"{run.sent:,} sent, worst send "
-                f"{run.behind_s * 1000:.0f} ms behind schedule, {run.failed} failed",
-                f"{complete:,} steps had every required reward in time; measured {len(visible) - unseen:,}, "
+                f"{run.sent:,} sent, worst send {run.behind_s * 1000:.0f} ms behind schedule, {run.failed} failed",
+                f"{complete:,} steps had every required reward in time; {len(poller.seen):,} seen, "
                 f"{len(poller.stale)} not seen within {poller.horizon_s:g}s and {len(poller.pending)} never seen "
-                f"(both counted as inf), {no_ack} without an ack",
+                f"(both count as inf), {found.no_ack} left out without an ack",
                 f"resolution: a poll every {poller.interval_s * 1000:.0f} ms + the query ({len(queries)} queries, p50 "
                 f"{1000 * percentile(queries, 50):.0f} ms, max {1000 * max(queries or [0]):.0f} ms); the time taken "
                 "is the end of the first query that returns the row (an upper bound)",

@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from rich.console import Console
 
 from bench.common import WORKER_CORE, Measurement, cpu_seconds, loadavg
-from bench.paced import CompletePoller, PacedRun, Receipts, send_paced
+from bench.paced import CompletePoller, Observed, PacedRun, Published, Receipts, send_paced
 from bench.weaving_report import (
     check_in_clickhouse,
     latency_table,
@@ -156,10 +156,11 @@ def latency(ctx: Context) -> None:
     try:
         ctx.console.print(f"latency: {args.rate:,.0f} input events/s for {args.duration:.0f}s…")
         cpu_before = cpu_seconds(worker.pid)
-        expectation, run, poller, receipts = asyncio.run(_live(settings, args.rate, args.duration, args.sessions))
+        seen = asyncio.run(_live(settings, args.rate, args.duration, args.sessions))
+        run = seen.run
         cpu_load = _diff(cpu_before, cpu_seconds(worker.pid))
         load_after = loadavg()
-        check = check_in_clickhouse(settings, expectation, timeout=120.0)
+        check = check_in_clickhouse(settings, seen.expectation, timeout=120.0)
         cpu_all = _diff(cpu_before, cpu_seconds(worker.pid))
     finally:
         worker.stop()
@@ -170,25 +171,35 @@ def latency(ctx: Context) -> None:
         "of CPU per input event",
         f"loadavg before {load_before}, after the load {load_after}",
     ]
-    latency_table(ctx.console, ctx.pin_words, args, expectation, run, poller, receipts, check, notes)
+    latency_table(ctx.console, ctx.pin_words, args, seen, check, notes)
 
 
-async def _live(settings: Settings, rate: float, duration: float, sessions: int):
-    expectation, run, poller = WeavingExpectation(), PacedRun(), CompletePoller(settings)
-    receipts = Receipts(settings, _topics(settings)[REWARD])
-    await receipts.start()
-    stop = asyncio.Event()
+async def _live(settings: Settings, rate: float, duration: float, sessions: int) -> Observed:
+    topics = _topics(settings)
+    seen = Observed(
+        PacedRun(),
+        WeavingExpectation(),
+        CompletePoller(settings),
+        Receipts(settings, topics[REWARD]),
+        Published(settings, TopicCatalog(settings)["transitions"].name),
+    )
+    for tail in (seen.receipts, seen.published):
+        await tail.start()
+    load_done, polled = asyncio.Event(), asyncio.Event()
     producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-paced"))
     await producer.start()
     try:
-        tasks = [asyncio.create_task(poller.run(stop)), asyncio.create_task(receipts.run(stop))]
+        tails = [asyncio.create_task(tail.run(polled)) for tail in (seen.receipts, seen.published)]
+        poller = asyncio.create_task(seen.poller.run(load_done))
         plan = weaving_plan(rate, sessions=sessions, seed=11, duration_s=duration)
-        await send_paced(producer, plan, _topics(settings), run, expectation, poller, steady_s=duration)
-        stop.set()
-        await asyncio.gather(*tasks)
+        await send_paced(producer, plan, topics, seen.run, seen.expectation, seen.poller, steady_s=duration)
+        load_done.set()
+        await poller
+        polled.set()
+        await asyncio.gather(*tails)
     finally:
         await producer.stop()
-    return expectation, run, poller, receipts
+    return seen
 
 
 # --- 3. soak -----------------------------------------------------------------------------------------------------
