@@ -272,6 +272,8 @@ def soak_table(
         "\n".join(
             [
                 f"achieved {run.rate:,.0f} input events/s; worst send {run.behind_s * 1000:.0f} ms behind schedule",
+                "open_steps: the worker's treadle_open_steps gauge (n/a: /metrics did not answer within 5 s); it "
+                "counts queued window timers, one per batch that touched a step, not distinct steps",
                 "all samples (min: worker/sink MB): "
                 + ", ".join(f"{s[0] / 60:.1f}: {_mb(s[1])}/{_mb(s[2])}" for s in samples),
                 *notes,

@@ -126,6 +126,7 @@ def throughput(ctx: Context) -> None:
         f"check: {watch.over_revision} Transitions above the final revision, {watch.late_unexpected} unexpected "
         f"AFTER_GRACE rows, {len(expected) - watch.final} steps short of final",
         *cpu_notes(run.cpu_s, elapsed, len(events)),
+        *([f"= {len(events) / run.cpu_s:,.0f} events/s if it had the whole core"] if run.cpu_s else []),
         f"by thread: {run.by_thread}",
         f"loadavg before {load_before}, after {loadavg()}",
     ]
@@ -229,8 +230,9 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
     async def sample() -> None:
         started = time.perf_counter()
         while True:
+            at, worker, sink, sent = time.perf_counter() - started, rss_mb(pid), rss_mb(sink_pid), run.sent
             gauge = await asyncio.to_thread(scrape_gauge, settings.web_port, "treadle_open_steps")
-            samples.append((time.perf_counter() - started, rss_mb(pid), rss_mb(sink_pid), gauge, run.sent))
+            samples.append((at, worker, sink, gauge, sent))
             if stop.is_set():
                 return
             try:
