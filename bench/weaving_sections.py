@@ -91,21 +91,10 @@ def throughput(ctx: Context) -> None:
     sentinels (one event per partition per input topic, after the last window) close every window, so the clock
     measures processing, not an idle timer; TREADLE_IDLE_TIMEOUT_S is an hour so that nothing else can close one.
     """
-    args, lag = ctx.args, 5.0
-    settings = ctx.settings("throughput", idle_timeout_s=3600.0, watermark_lag_s=lag)
+    args = ctx.args
+    settings = ctx.settings("throughput", idle_timeout_s=3600.0, watermark_lag_s=5.0)
     ctx.console.print(f"[bold]throughput[/]: planning {args.events:,} input events…")
-    plan = list(weaving_plan(5000.0, sessions=args.sessions, seed=7, events=args.events))
-    span = plan[-1].at_s
-    last_deadline = max(w + g for w, g in WINDOWS.values())
-    tail = sentinels(settings.partitions, span + last_deadline + lag + 2.0)
-    origin_us = time.time_ns() // 1000 - int((span + 30.0) * 1e6)  # the sentinels' event time is still in the past
-    codec, seqs, expectation, topics = AvroCodec(), {}, WeavingExpectation(), _topics(settings)
-    events = []
-    for item in plan + tail:
-        value = item.encode(codec, origin_us + int(item.at_s * 1e6), seqs)
-        events.append((topics[item.schema], item.session_id.encode(), value))
-        if item not in tail:
-            expectation.sent(item)
+    events, expectation, workload = _backlog(settings, args.events, args.sessions)
     expected, late = expectation.final_revisions(), frozenset(expectation.late())
     load_before = loadavg()
     ctx.console.print(f"throughput: {len(events):,} events into Kafka, then the worker ({ctx.pin_words})…")
@@ -115,11 +104,9 @@ def throughput(ctx: Context) -> None:
     )  # fmt: skip
     watch = run.watch
     elapsed = watch.done_s if watch.done_s is not None else args.timeout
-    duplicates = sum(1 for item in plan if item.original is not None)
     complete = watch.done_s is not None and not watch.over_revision and not watch.late_unexpected
     notes = [
-        f"{len(expected):,} steps, {len(late):,} late rewards, {duplicates:,} duplicates, "
-        f"{len(tail)} sentinels; event time spans {span:.0f}s",
+        workload,
         f"read back {watch.transitions:,} Transitions; steps final: "
         + ", ".join(f"{p}% at {t:.1f}s" for p, t in watch.milestones.items()),
         f"late rewards on the topic: {watch.late:,}/{len(late):,}",
@@ -144,6 +131,28 @@ def throughput(ctx: Context) -> None:
     for m in baseline:
         m.section = SECTION
     render_throughput(ctx.console, [*baseline, measured])
+
+
+def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list, WeavingExpectation, str]:
+    """(topic, key, value) of the workload and its sentinels, its expectation, and a line saying what it is."""
+    plan = list(weaving_plan(5000.0, sessions=sessions, seed=7, events=n))
+    span = plan[-1].at_s
+    last_deadline = max(w + g for w, g in WINDOWS.values())
+    tail = sentinels(settings.partitions, span + last_deadline + settings.watermark_lag_s + 2.0)
+    origin_us = time.time_ns() // 1000 - int((span + 30.0) * 1e6)  # the sentinels' event time is still in the past
+    codec, seqs, expectation, topics = AvroCodec(), {}, WeavingExpectation(), _topics(settings)
+    events = []
+    for item in plan + tail:
+        value = item.encode(codec, origin_us + int(item.at_s * 1e6), seqs)
+        events.append((topics[item.schema], item.session_id.encode(), value))
+    for item in plan:
+        expectation.sent(item)
+    duplicates = sum(1 for item in plan if item.original is not None)
+    words = (
+        f"{len(expectation.steps):,} steps, {len(expectation.late()):,} late rewards, {duplicates:,} duplicates, "
+        f"{len(tail)} sentinels; event time spans {span:.0f}s"
+    )
+    return events, expectation, words
 
 
 # --- 2. latency --------------------------------------------------------------------------------------------------
