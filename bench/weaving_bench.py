@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--events", type=int, default=100_000, help="input events of the throughput run (100,000)")
     parser.add_argument("--rate", type=float, default=5000.0, help="paced input events/s of the latency run (5,000)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of paced load of the latency run (60)")
+    parser.add_argument("--poll-interval", type=float, default=0.1, help="ClickHouse poll of the latency run (0.1 s)")
     parser.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of the soak (10)")
     parser.add_argument("--soak-rate", type=float, default=2000.0, help="paced input events/s of the soak (2,000)")
     parser.add_argument("--sessions", type=int, default=500, help="agent sessions the steps spread over (500)")

@@ -212,17 +212,38 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def scrape_gauge(port: int, name: str) -> float | None:
-    """An unlabelled gauge's value from a Prometheus text page on 127.0.0.1:port/metrics; None if absent."""
+def scrape(port: int) -> str:
+    """The Prometheus text page on 127.0.0.1:port/metrics (the worker's includes its sink's); '' if no answer."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
+            return response.read().decode()
     except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return None
+        return ""
+
+
+def scrape_gauge(port: int, name: str) -> float | None:
+    """An unlabelled gauge's value from the worker's /metrics; None if absent."""
+    return _sum(scrape(port), name + " ")
+
+
+def sink_inserts(text: str) -> str:
+    """What the sink spent inserting into ClickHouse (its batch histograms), in words."""
+    seconds = _sum(text, "treadle_sink_batch_seconds_sum{")
+    inserts = _sum(text, "treadle_sink_batch_seconds_count{")
+    flushes = _sum(text, 'treadle_sink_batch_seconds_count{table="transitions"')
+    rows = _sum(text, "treadle_sink_batch_rows_sum{")
+    if not inserts or seconds is None:
+        return "sink inserts: no metrics"
+    return (
+        f"sink inserts: {seconds:.1f}s in {inserts:,.0f} inserts of {rows or 0:,.0f} rows (mean "
+        f"{1000 * seconds / inserts:.0f} ms each, ~{seconds / (flushes or 1):.2f}s per flush of every table)"
+    )
+
+
+def _sum(text: str, prefix: str) -> float | None:
+    """Sum of the samples whose line starts with `prefix` (a name, and the start of its labels)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
+    return sum(values) if values else None
 
 
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:

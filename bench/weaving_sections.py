@@ -19,7 +19,9 @@ from bench.weaving_report import (
     latency_table,
     render_throughput,
     rss_mb,
+    scrape,
     scrape_gauge,
+    sink_inserts,
     soak_table,
 )
 from bench.worker_bench import BenchWorker, backlog_catch_up, consume_baseline, cpu_notes
@@ -165,13 +167,16 @@ def latency(ctx: Context) -> None:
     worker, load_before = _start_worker(ctx, settings, {}), loadavg()
     try:
         ctx.console.print(f"latency: {args.rate:,.0f} input events/s for {args.duration:.0f}s…")
-        cpu_before = cpu_seconds(worker.pid)
-        seen = asyncio.run(_live(settings, args.rate, args.duration, args.sessions))
+        sink = SqlEndpoint.read(settings)
+        sink_pid = sink.pid if sink is not None else None
+        cpu_before, sink_before = cpu_seconds(worker.pid), _cpu(sink_pid)
+        seen = asyncio.run(_live(settings, args.rate, args.duration, args.sessions, args.poll_interval))
         run = seen.run
-        cpu_load = _diff(cpu_before, cpu_seconds(worker.pid))
+        cpu_load, sink_load = _diff(cpu_before, cpu_seconds(worker.pid)), _diff(sink_before, _cpu(sink_pid))
         load_after = loadavg()
         check = check_in_clickhouse(settings, seen.expectation, timeout=120.0)
         cpu_all = _diff(cpu_before, cpu_seconds(worker.pid))
+        inserts = sink_inserts(scrape(settings.web_port))
     finally:
         worker.stop()
     load_s = (run.last_s or 0) - (run.first_s or 0)
@@ -179,17 +184,20 @@ def latency(ctx: Context) -> None:
         f"worker CPU while the load ran: {cpu_load or 0:.1f}s = {100 * (cpu_load or 0) / max(load_s, 1e-9):.0f}% "
         f"of one core; until every final row was in ClickHouse: {1e6 * (cpu_all or 0) / max(run.sent, 1):.0f} us "
         "of CPU per input event",
+        f"sink child CPU while the load ran: {sink_load or 0:.1f}s = {100 * (sink_load or 0) / max(load_s, 1e-9):.0f}% "
+        "of a core (it runs off the worker's core)",
+        inserts,
         f"loadavg before {load_before}, after the load {load_after}",
     ]
     latency_table(ctx.console, ctx.pin_words, args, seen, check, notes)
 
 
-async def _live(settings: Settings, rate: float, duration: float, sessions: int) -> Observed:
+async def _live(settings: Settings, rate: float, duration: float, sessions: int, poll_s: float) -> Observed:
     topics = _topics(settings)
     seen = Observed(
         PacedRun(),
         WeavingExpectation(),
-        CompletePoller(settings),
+        CompletePoller(settings, interval_s=poll_s),
         Receipts(settings, topics[REWARD]),
         Published(settings, TopicCatalog(settings)["transitions"].name),
     )
@@ -277,6 +285,10 @@ def _start_worker(ctx: Context, settings: Settings, env: dict[str, str]) -> Benc
         raise
     ctx.console.print(f"[dim]worker pid {worker.pid} ready after {ready:.1f}s; log {worker.log_path}[/]")
     return worker
+
+
+def _cpu(pid: int | None) -> float | None:
+    return cpu_seconds(pid) if pid is not None else None
 
 
 def _diff(before: float | None, after: float | None) -> float | None:
