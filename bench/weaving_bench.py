@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             ctx = Context(base, args, pin, home, console)
             for section in args.only or SECTIONS:
                 try:
-                    run_section(section, ctx)
+                    if not run_section(section, ctx):
+                        failed = True
+                        console.print(f"[red]{section}: the worker's rows were wrong or incomplete (see check)[/]")
                 except Exception:
                     failed = True
                     console.print(f"[red]{section} failed:[/]\n{traceback.format_exc(limit=8)}")

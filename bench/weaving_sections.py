@@ -74,8 +74,9 @@ class Context:
         return f"under taskset -c {WORKER_CORE}" if self.pin else "(not pinned)"
 
 
-def run_section(name: str, ctx: Context) -> None:
-    {"throughput": throughput, "latency": latency, "soak": soak}[name](ctx)
+def run_section(name: str, ctx: Context) -> bool:
+    """Run and print one part; False when the worker's rows were wrong or incomplete (a missed target is not)."""
+    return {"throughput": throughput, "latency": latency, "soak": soak}[name](ctx)
 
 
 def _topics(settings: Settings) -> dict[str, str]:
@@ -86,7 +87,7 @@ def _topics(settings: Settings) -> dict[str, str]:
 # --- 1. throughput -----------------------------------------------------------------------------------------------
 
 
-def throughput(ctx: Context) -> None:
+def throughput(ctx: Context) -> bool:
     """The whole workload (and the sentinels) in Kafka, then the worker: its catch-up rate on one core.
 
     Event times are real: the run is placed in the recent past, spread at 5,000 input events/s of event time. The
@@ -133,6 +134,7 @@ def throughput(ctx: Context) -> None:
     for m in baseline:
         m.section = SECTION
     render_throughput(ctx.console, [*baseline, measured])
+    return complete
 
 
 def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list, WeavingExpectation, str]:
@@ -160,7 +162,7 @@ def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list, WeavingEx
 # --- 2. latency --------------------------------------------------------------------------------------------------
 
 
-def latency(ctx: Context) -> None:
+def latency(ctx: Context) -> bool:
     """Paced live load; per complete step, its last required reward's ack -> its complete row in ClickHouse."""
     args = ctx.args
     settings = ctx.settings("latency", idle_timeout_s=5.0)
@@ -190,6 +192,7 @@ def latency(ctx: Context) -> None:
         f"loadavg before {load_before}, after the load {load_after}",
     ]
     latency_table(ctx.console, ctx.pin_words, args, seen, check, notes)
+    return check.ok
 
 
 async def _live(settings: Settings, rate: float, duration: float, sessions: int, poll_s: float) -> Observed:
@@ -223,7 +226,7 @@ async def _live(settings: Settings, rate: float, duration: float, sessions: int,
 # --- 3. soak -----------------------------------------------------------------------------------------------------
 
 
-def soak(ctx: Context) -> None:
+def soak(ctx: Context) -> bool:
     """Paced live load for --soak-minutes; RSS of the worker and of its sink child every 10 s."""
     args = ctx.args
     settings = ctx.settings("soak", idle_timeout_s=5.0)
@@ -238,6 +241,7 @@ def soak(ctx: Context) -> None:
     finally:
         worker.stop()
     soak_table(ctx.console, ctx.pin_words, args, samples, run, [f"loadavg before {load_before}, after {load_after}"])
+    return run.failed == 0
 
 
 async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argparse.Namespace):
