@@ -196,7 +196,8 @@ def _table(title: str, columns: list[str]) -> Table:
 
 # --- soak --------------------------------------------------------------------------------------------------------
 
-Sample = tuple[float, float | None, float | None, float | None, int]  # s, worker MB, sink MB, open_steps, sent
+# seconds, worker MB, sink MB, open_steps, expired steps, events sent
+Sample = tuple[float, float | None, float | None, float | None, float | None, int]
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -221,17 +222,12 @@ def scrape(port: int) -> str:
         return ""
 
 
-def scrape_gauge(port: int, name: str) -> float | None:
-    """An unlabelled gauge's value from the worker's /metrics; None if absent."""
-    return _sum(scrape(port), name + " ")
-
-
 def sink_inserts(text: str) -> str:
     """What the sink spent inserting into ClickHouse (its batch histograms), in words."""
-    seconds = _sum(text, "treadle_sink_batch_seconds_sum{")
-    inserts = _sum(text, "treadle_sink_batch_seconds_count{")
-    flushes = _sum(text, 'treadle_sink_batch_seconds_count{table="transitions"')
-    rows = _sum(text, "treadle_sink_batch_rows_sum{")
+    seconds = metric(text, "treadle_sink_batch_seconds_sum{")
+    inserts = metric(text, "treadle_sink_batch_seconds_count{")
+    flushes = metric(text, 'treadle_sink_batch_seconds_count{table="transitions"')
+    rows = metric(text, "treadle_sink_batch_rows_sum{")
     if not inserts or seconds is None:
         return "sink inserts: no metrics"
     return (
@@ -240,8 +236,8 @@ def sink_inserts(text: str) -> str:
     )
 
 
-def _sum(text: str, prefix: str) -> float | None:
-    """Sum of the samples whose line starts with `prefix` (a name, and the start of its labels)."""
+def metric(text: str, prefix: str) -> float | None:
+    """Sum of the samples on a /metrics page whose line starts with `prefix` (a name, the start of its labels)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
     return sum(values) if values else None
 
@@ -260,11 +256,12 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
 def soak_table(
     console: Console, pin_words: str, args: argparse.Namespace, samples: list[Sample], run: PacedRun, notes: list[str]
 ) -> None:
-    table = _table("weaving: soak", ["at min", "worker RSS MB", "sink RSS MB", "open_steps", "events sent"])
+    columns = ["at min", "worker RSS MB", "sink RSS MB", "open_steps", "expired steps", "events sent"]
+    table = _table("weaving: soak", columns)
     marks = [0.0, 1.0, 2.0, 5.0, 10.0, samples[-1][0] / 60 if samples else 0.0]
     shown = sorted({min(range(len(samples)), key=lambda i: abs(samples[i][0] / 60 - m)) for m in marks})
     for rank, i in enumerate(shown):
-        at, worker, sink, gauge, sent = samples[i]
+        at, worker, sink, gauge, expired, sent = samples[i]
         first = rank == 0
         table.add_row(
             "before the load (baseline)" if first else "",
@@ -276,6 +273,7 @@ def soak_table(
             _mb(worker),
             _mb(sink),
             "n/a" if gauge is None else f"{gauge:,.0f}",
+            "n/a" if expired is None else f"{expired:,.0f}",
             f"{sent:,}",
             "",
         )
@@ -290,11 +288,13 @@ def soak_table(
         f"{sink_slope:+.2f}/min",
         "",
         "",
+        "",
         "\n".join(
             [
                 f"achieved {run.rate:,.0f} input events/s; worst send {run.behind_s * 1000:.0f} ms behind schedule",
-                "open_steps: the worker's treadle_open_steps gauge (n/a: /metrics did not answer within 5 s); it "
-                "counts queued window timers, one per batch that touched a step, not distinct steps",
+                "open_steps, expired steps: the worker's treadle_open_steps gauge and treadle_expired_steps_total "
+                "(n/a: /metrics did not answer within 5 s, or a worker without it); open_steps counts queued window "
+                "timers, one per batch that touched a step, not distinct steps",
                 "all samples (min: worker/sink MB): "
                 + ", ".join(f"{s[0] / 60:.1f}: {_mb(s[1])}/{_mb(s[2])}" for s in samples),
                 *notes,

@@ -17,10 +17,10 @@ from bench.paced import CompletePoller, Observed, PacedRun, Published, Receipts,
 from bench.weaving_report import (
     check_in_clickhouse,
     latency_table,
+    metric,
     render_throughput,
     rss_mb,
     scrape,
-    scrape_gauge,
     sink_inserts,
     soak_table,
 )
@@ -252,8 +252,17 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
         started = time.perf_counter()
         while True:
             at, worker, sink, sent = time.perf_counter() - started, rss_mb(pid), rss_mb(sink_pid), run.sent
-            gauge = await asyncio.to_thread(scrape_gauge, settings.web_port, "treadle_open_steps")
-            samples.append((at, worker, sink, gauge, sent))
+            page = await asyncio.to_thread(scrape, settings.web_port)
+            samples.append(
+                (
+                    at,
+                    worker,
+                    sink,
+                    metric(page, "treadle_open_steps "),
+                    metric(page, "treadle_expired_steps_total "),
+                    sent,
+                )
+            )
             if stop.is_set():
                 return
             try:
