@@ -169,7 +169,15 @@ def weaving_policy() -> dict:
     specs = [
         {"source": s, "window_s": w, "grace_s": g, "required": True, "weight": 1.0} for s, (w, g) in WINDOWS.items()
     ]
-    return {"version": WEAVING_POLICY_VERSION, "specs": specs}
+    # Sources without a spec would get a day's window by default, and a step's state is kept until its latest
+    # possible deadline (of any source) plus TREADLE_STEP_RETENTION_S: short defaults let steps expire in a soak.
+    longest_window, longest_grace = max(WINDOWS.values())
+    return {
+        "version": WEAVING_POLICY_VERSION,
+        "specs": specs,
+        "default_window_s": longest_window,
+        "default_grace_s": longest_grace,
+    }
 
 
 @dataclass(eq=False)
