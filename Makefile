@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 
-.PHONY: install demo test test-gpu lint bench up down clean
+.PHONY: install demo test test-gpu lint bench bench-weaving up down clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# Issue #3: reward weaving throughput on one core, latency at 5,000 events/s, a 10-minute RSS soak (~15 min).
+bench-weaving: install
+	$(BIN)/python -m bench.weaving_bench
 
 up: install
 	$(BIN)/treadle up

@@ -21,6 +21,7 @@ BENCH_KAFKA_PORT = 29492 + _SHIFT  # below the ephemeral port range (no self-con
 BENCH_CONTROLLER_PORT = 29493 + _SHIFT
 BENCH_VALKEY_PORT = 29479 + _SHIFT
 BENCH_WEB_PORT = 56066 - _SHIFT
+BENCH_SQL_PORT = 56067 - _SHIFT  # the sink's SQL endpoint; the default (16067) is the user's own worker's
 WORKER_CORE = 1
 
 
@@ -70,6 +71,7 @@ def bench_settings(home: Path, run_id: str, partitions: int) -> Settings:
         kafka_controller_port=BENCH_CONTROLLER_PORT,
         valkey_port=BENCH_VALKEY_PORT,
         web_port=BENCH_WEB_PORT,
+        sql_port=BENCH_SQL_PORT,
         cache=REPO_ROOT / ".treadle" / "cache",
         partitions=partitions,
         topic_prefix=run_id,
@@ -89,6 +91,14 @@ def local_stack(settings: Settings) -> Iterator[float]:
         yield time.perf_counter() - started
     finally:
         stack.down()
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15-minute load averages, to print beside a result (other work on the machine skews it)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 # --- CPU pinning ------------------------------------------------------------------------------------------

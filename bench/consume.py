@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.common import Measurement, write_measurements
 from processors.intake import Accepted, Intake, SourceMessage
+from processors.reward_policy import PolicyBook, load_policy_file
 from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
 from processors.validation import InputValidator
 from streams.settings import Settings
@@ -74,7 +76,8 @@ def fold(settings: Settings, messages: list[SourceMessage]) -> Measurement:
     catalog = TopicCatalog(settings)
     codec = AvroCodec()
     intake = Intake(codec, catalog, InputValidator(ToolSchemas()))
-    assembler = StepAssembler()
+    policies = PolicyBook([load_policy_file(settings.reward_policy)]) if settings.reward_policy else None
+    assembler = StepAssembler(policies)
     table: dict[bytes, bytes] = {}
     outputs = 0
     started = time.perf_counter()
@@ -110,9 +113,15 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, required=True)
     parser.add_argument("--events", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--reward-policy", type=Path, help="the worker's TREADLE_REWARD_POLICY, for the fold")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    settings = Settings(kafka_bootstrap_servers=args.bootstrap, topic_prefix=args.prefix, partitions=args.partitions)
+    settings = Settings(
+        kafka_bootstrap_servers=args.bootstrap,
+        topic_prefix=args.prefix,
+        partitions=args.partitions,
+        reward_policy=args.reward_policy,
+    )
     measured, messages = asyncio.run(consume(settings, args.events, args.timeout))
     write_measurements(args.out, [measured, fold(settings, messages)])
 

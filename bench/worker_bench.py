@@ -29,6 +29,8 @@ from streams.worker_process import WorkerProcess
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 
+LATE_REWARD = "treadle.derived.LateReward"
+
 SECTION = "2. worker"
 WORKER_COMMAND = "{pin}: input topics -> every step's final Transition on the topic"
 CLICKHOUSE_COMMAND = "same run, until transitions_latest + raw_events_latest are complete (run_sql via worker /sql)"
@@ -42,8 +44,12 @@ VISIBLE_SQL = (
 class BenchWorker(WorkerProcess):
     """`treadle worker` pinned to WORKER_CORE (when `pin`), its sink child moved to the other cores."""
 
-    def __init__(self, settings: Settings, pin: bool, argv: list[str] | None = None) -> None:
-        super().__init__(settings, settings.home / "worker.log", argv_prefix=pinned([], pin), command=argv or None)
+    def __init__(
+        self, settings: Settings, pin: bool, argv: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(
+            settings, settings.home / "worker.log", env=env, argv_prefix=pinned([], pin), command=argv or None
+        )
         self.pin = pin
 
     def wait_ready(self, timeout: float = 120.0) -> float:
@@ -62,7 +68,7 @@ class BenchWorker(WorkerProcess):
 
 @dataclass
 class Watch:
-    """What the transitions topic showed during the run."""
+    """What the transitions (and late-rewards) topics showed during the run."""
 
     produced_s: float = 0.0  # all input acknowledged by the broker
     first_s: float | None = None  # first Transition read back
@@ -73,12 +79,22 @@ class Watch:
     repeats: int = 0  # the same (step, revision) read twice: reprocessing
     seen: set = field(default_factory=set)
     milestones: dict[int, float] = field(default_factory=dict)  # percent of steps final -> seconds
+    late: int = 0  # expected AFTER_GRACE late rewards read back
+    late_unexpected: int = 0  # AFTER_GRACE rows for a reward that was not late: a correctness bug
 
 
-async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, bytes, bytes]], timeout: float):
+async def _drive(
+    settings: Settings,
+    expected: dict[str, int],
+    events: list[tuple[str, bytes, bytes]],
+    timeout: float,
+    late: frozenset[str] = frozenset(),
+):
+    """Send `events` (may be none) and read back until every step has its expected final revision
+    ({logical_event_id: revision}) on the transitions topic and every `late` reward is on the late-rewards topic."""
     codec = AvroCodec()
-    topic = TopicCatalog(settings)["transitions"].name
-    expected = {s.logical_event_id: s.final_revision for s in steps}
+    catalog = TopicCatalog(settings)
+    topic, late_topic = catalog["transitions"].name, catalog["late_rewards"].name
     watch = Watch()
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap_servers,
@@ -90,7 +106,8 @@ async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, 
     await consumer.start()
     await producer.start()
     try:
-        partitions = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        watched = (topic, late_topic) if late else (topic,)
+        partitions = [TopicPartition(name, p) for name in watched for p in range(settings.partitions)]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         for name in {name for name, _, _ in events}:
@@ -98,12 +115,15 @@ async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, 
         started = time.perf_counter()
 
         async def read_back() -> None:
-            pending = set(expected)
+            pending, pending_late = set(expected), set(late)
             marks = [(p, len(expected) * p // 100) for p in (10, 50, 90)]
-            while pending:
+            while pending or pending_late:
                 batches = await consumer.getmany(timeout_ms=100, max_records=5000)
                 now = time.perf_counter() - started
-                for messages in batches.values():
+                for tp, messages in batches.items():
+                    if tp.topic == late_topic:
+                        _read_late(codec, messages, pending_late, late, watch)
+                        continue
                     for message in messages:
                         record = codec.decode(message.value, expect=TRANSITION)[1]
                         lid, revision = record["logical_event_id"], record["revision"]
@@ -138,6 +158,18 @@ async def _drive(settings: Settings, steps: list[Step], events: list[tuple[str, 
         await consumer.stop()
 
 
+def _read_late(codec: AvroCodec, messages, pending: set[str], late: frozenset[str], watch: Watch) -> None:
+    for message in messages:
+        record = codec.decode(message.value, expect=LATE_REWARD)[1]
+        if record["reason"] != "AFTER_GRACE":
+            continue
+        if record["event_id"] in pending:
+            pending.discard(record["event_id"])
+            watch.late += 1
+        elif record["event_id"] not in late:
+            watch.late_unexpected += 1
+
+
 async def _send_all(producer: AIOKafkaProducer, events: list[tuple[str, bytes, bytes]]) -> None:
     for name, key, value in events:
         await producer.send(name, value, key=key)
@@ -153,29 +185,70 @@ async def _preload(settings: Settings, events: list[tuple[str, bytes, bytes]]) -
         await producer.stop()
 
 
+@dataclass
+class CatchUp:
+    """A backlog run: what was read back, and the worker's CPU seconds (all threads) meanwhile."""
+
+    watch: Watch
+    cpu_s: float | None
+    by_thread: str = ""
+
+
+def backlog_catch_up(
+    settings: Settings,
+    events: list[tuple[str, bytes, bytes]],
+    expected: dict[str, int],
+    *,
+    pin: bool,
+    timeout: float,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    late: frozenset[str] = frozenset(),
+    profile: Path | None = None,
+) -> CatchUp:
+    """Put `events` in Kafka, then start the worker and time it from "ready" until the read-back is complete."""
+    from streams.worker import prepare_cluster
+
+    asyncio.run(prepare_cluster(settings))
+    asyncio.run(_preload(settings, events))
+    worker = BenchWorker(settings, pin, argv, env).start()
+    spy = None
+    try:
+        worker.wait_ready(120)
+        spy = _py_spy(worker.pid, profile) if profile is not None else None
+        cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
+        cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        _stop_spy(spy)
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+        worker.stop()
+    used = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after))
+
+
+def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
+    """The worker's CPU over a timed run, as table notes."""
+    if used is None or elapsed <= 0:
+        return []
+    return [
+        f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core",
+        f"= {1e6 * used / n:.0f} us of CPU per input event",
+    ]
+
+
 def _backlog_run(
     settings: Settings, steps: list[Step], events: list[tuple[str, bytes, bytes]], pin: bool, timeout: float, argv
 ) -> Measurement:
     """The same workload already in Kafka when the worker starts: its catch-up rate, timed from "ready" to
     the last final Transition, with no load generator competing for the broker's core."""
-    from streams.worker import prepare_cluster
-
-    asyncio.run(prepare_cluster(settings))
-    asyncio.run(_preload(settings, events))
-    worker = BenchWorker(settings, pin, argv).start()
-    try:
-        worker.wait_ready(120)
-        cpu_before = cpu_seconds(worker.pid)
-        watch, _ = asyncio.run(_drive(settings, steps, [], timeout))
-        cpu_after = cpu_seconds(worker.pid)
-    finally:
-        worker.stop()
+    expected = {s.logical_event_id: s.final_revision for s in steps}
+    run = backlog_catch_up(settings, events, expected, pin=pin, timeout=timeout, argv=argv)
+    watch = run.watch
     elapsed = watch.done_s if watch.done_s is not None else timeout
     notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal"]
-    if cpu_before is not None and cpu_after is not None and elapsed > 0:
-        used = cpu_after - cpu_before
-        notes.append(f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core")
-        notes.append(f"= {1e6 * used / len(events):.0f} us of CPU per input event")
+    notes += cpu_notes(run.cpu_s, elapsed, len(events))
     return _worker_measurement(
         "treadle worker, backlog",
         "same worker and workload, input produced before the worker starts (catch-up after downtime)",
@@ -226,6 +299,28 @@ def rename(topic: str, old: Settings, new: Settings) -> str:
     return new.topic_prefix + topic.removeprefix(old.topic_prefix)
 
 
+def consume_baseline(
+    settings: Settings, n: int, *, pin: bool, log_dir: Path, extra: tuple[str, ...] = ()
+) -> list[Measurement]:
+    """bench.consume over the input topics of `settings` in its own process, on the worker's core when pinning."""
+    return run_module(
+        "bench.consume",
+        [
+            "--bootstrap", settings.kafka_bootstrap_servers, "--prefix", settings.topic_prefix,
+            "--partitions", str(settings.partitions), "--events", str(n), "--timeout", "60", *extra,
+        ],
+        pin=pin,
+        timeout=120,
+        log=log_dir / f"consume-{settings.topic_prefix}.log",
+    )  # fmt: skip
+
+
+def _stop_spy(spy: subprocess.Popen[bytes] | None) -> None:
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+
+
 def _py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(exe).exists():
@@ -269,11 +364,10 @@ def worker_section(
             spy = _py_spy(worker.pid, profile)
             info.append(f"py-spy raw profile -> {profile}" if spy else "py-spy not installed: no profile")
         cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
-        watch, started = asyncio.run(_drive(settings, steps, encoded, timeout))
+        expected = {s.logical_event_id: s.final_revision for s in steps}
+        watch, started = asyncio.run(_drive(settings, expected, encoded, timeout))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(30)
+        _stop_spy(spy)
         visible_s = visible = None
         if clickhouse and watch.done_s is not None:
             want = (len(steps), sum(s.final_revision for s in steps), n)
@@ -292,9 +386,7 @@ def worker_section(
         + ", ".join(f"{p}% at {t:.1f}s" for p, t in watch.milestones.items()),
     ]
     if cpu_before is not None and cpu_after is not None and elapsed > 0:
-        used = cpu_after - cpu_before
-        notes.append(f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core")
-        notes.append(f"= {1e6 * used / n:.0f} us of CPU per input event")
+        notes += cpu_notes(cpu_after - cpu_before, elapsed, n)
         notes.append(f"by thread: {busiest_threads(worker.pid, threads_before, threads_after)}")
     if watch.over_revision or watch.repeats:
         notes.append(
@@ -334,14 +426,5 @@ def worker_section(
                 notes=[f"after {visible_s - watch.done_s:.2f}s more" if visible_s else f"last answer {visible}"],
             )
         )
-    baseline = run_module(
-        "bench.consume",
-        [
-            "--bootstrap", settings.kafka_bootstrap_servers, "--prefix", settings.topic_prefix,
-            "--partitions", str(settings.partitions), "--events", str(n), "--timeout", "60",
-        ],
-        pin=pin,
-        timeout=120,
-        log=log_dir / "consume.log",
-    )  # fmt: skip
+    baseline = consume_baseline(settings, n, pin=pin, log_dir=log_dir)
     return [*baseline, *results], info
