@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -102,7 +103,7 @@ class RewardPolicy(BaseModel):
             return wildcard[0]
         return RewardSpec(source=source, window_s=self.default_window_s, grace_s=self.default_grace_s)
 
-    @property
+    @cached_property  # read for every step touched; the model is frozen
     def required(self) -> tuple[RewardSpec, ...]:
         return tuple(s for s in self.specs if s.required)
 

@@ -30,7 +30,7 @@ from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
 from processors.decoded_rows import DecodedRows
 from processors.policy_topic import PolicyTopic
-from processors.reward_policy import PolicyBook, load_policy_file
+from processors.reward_policy import Imputation, PolicyBook, load_policy_file
 from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, is_episode_reward
 from processors.step_expiry import StepExpiry
 from processors.watermarks import Watermarks
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CLOSE = "close"
 POLICY_REFRESH_S = 5.0
-STEP_CACHE_SIZE = 20_000  # parsed step states kept between batches (a few KB each)
+STEP_CACHE_SIZE = 5_000  # parsed step states kept between batches (~10 KB each as Python objects)
 EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
 
 
@@ -169,7 +169,7 @@ class StepProcessor:
                 if lag is not None:
                     ctx.metrics.watermark_lag.labels(str(partition)).set(lag)
                 await self._fire_due(partition, watermark, ctx)
-                open_steps += sum(1 for _, _, what in self._due[partition] if what == CLOSE)
+                open_steps += len({lid for _, lid, what in self._due[partition] if what == CLOSE})
             ctx.metrics.open_steps.set(open_steps)
             for partition in self._active_partitions():
                 self.watermarks.advance(partition)
@@ -298,6 +298,8 @@ class StepProcessor:
     def _remember(self, reward: dict[str, Any]) -> None:
         policy = self.assembler.policies.for_dispatch(reward["envelope"]["event_time"])
         spec = self.assembler.spec_for(policy, reward["source"], reward["name"])
+        if spec.imputation is not Imputation.ROLLING_MEAN:
+            return  # nothing reads it (a policy that starts imputing it later starts from its next values)
         values = self._recent.get(spec.key)
         if values is None:
             values = self._recent[spec.key] = deque(maxlen=spec.rolling_count)

@@ -26,8 +26,8 @@ def bytes_table(app: faust.App, name: str, settings: Settings, help: str) -> Any
     Without key/value types Faust would pick JSON; without options each partition's RocksDB may take a 2 GiB
     block cache and 3 x 64 MiB write buffers, so a worker's RSS would grow with its tables for a long time.
     """
-    cache = settings.table_memory_mb * MIB
-    options = {"block_cache_size": cache, "write_buffer_size": cache // 8, "max_write_buffer_number": 2}
+    memory = settings.table_memory_mb * MIB  # half block cache, half two write buffers
+    options = {"block_cache_size": memory // 2, "write_buffer_size": memory // 4, "max_write_buffer_number": 2}
     return app.Table(name, partitions=settings.partitions, key_type=bytes, value_type=bytes, help=help, options=options)
 
 

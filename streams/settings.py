@@ -179,10 +179,10 @@ class Settings(BaseModel):
         "after its last reward deadline; a reward arriving later for it is reported as an orphan.",
     )
     table_memory_mb: int = Field(
-        default=64,
+        default=32,
         ge=4,
-        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory per table partition (block cache; write buffers get "
-        "a quarter more); Faust's own default is about 2.2 GB.",
+        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory per table partition, half block cache, half write "
+        "buffers (a worker has one per table and input partition it owns); Faust's own default is about 2.2 GB.",
     )
     tool_schemas: Path | None = Field(
         default=None,
