@@ -7,6 +7,7 @@ rebalance a partition may have been another worker's for a while, so the table i
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -17,7 +18,9 @@ class DecodedRows(Generic[T]):
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._values: dict[bytes, T] = {}
+        # OrderedDict, not dict: evicting a plain dict's oldest key with next(iter(d)) walks the slots of every key
+        # deleted before it, which grew to ~3% of a worker's CPU.
+        self._values: OrderedDict[bytes, T] = OrderedDict()
         self._generation: int | None = None
 
     def get(self, key: bytes, generation: int) -> T | None:
@@ -26,15 +29,15 @@ class DecodedRows(Generic[T]):
     def wrote(self, key: bytes, value: T, generation: int) -> None:
         """`value` is what the table now holds for `key` (the caller must not change it without writing)."""
         self._of(generation)
-        self._values.pop(key, None)  # re-insert: the dict's order is the eviction order
         self._values[key] = value
+        self._values.move_to_end(key)  # the order is the eviction order
         if len(self._values) > self.capacity:
-            del self._values[next(iter(self._values))]
+            self._values.popitem(last=False)
 
     def forget(self, key: bytes) -> None:
         self._values.pop(key, None)
 
-    def _of(self, generation: int) -> dict[bytes, T]:
+    def _of(self, generation: int) -> OrderedDict[bytes, T]:
         if generation != self._generation:
             self._values.clear()
             self._generation = generation

@@ -58,6 +58,15 @@ class StepState:
             ids.add(self.dispatch["envelope"]["event_id"])
         return ids
 
+    def has_event(self, event_id: str) -> bool:
+        """event_id in event_ids, without building the set (asked for every event folded)."""
+        return (
+            event_id in self.results
+            or event_id in self.rewards
+            or (self.dispatch is not None and self.dispatch["envelope"]["event_id"] == event_id)
+            or event_id in self.extra_dispatches
+        )
+
     @property
     def session_key(self) -> bytes:
         """The Kafka key of every row of the step: its session."""
@@ -132,7 +141,7 @@ class StepAssembler:
     def fold(self, state: StepState, schema_name: str, record: dict[str, Any]) -> bool:
         """Add one event to the step; False when it was already folded in (a duplicate) or is not the step's."""
         event_id = record["envelope"]["event_id"]
-        if event_id in state.event_ids or is_episode_reward(schema_name, record):
+        if state.has_event(event_id) or is_episode_reward(schema_name, record):
             return False
         if schema_name == DISPATCH:
             self._add_dispatch(state, record)
@@ -179,7 +188,8 @@ class StepAssembler:
             else:
                 on_time.append((event_id, reward, spec))
         present = {(r["source"], r["name"]) for _, r, _ in on_time}
-        missing = [s for s in policy.required if not any(s.matches(src, name) for src, name in present)]
+        sources = {source for source, _ in present}
+        missing = [s for s in policy.required if not _present(s, sources, present)]
         waiting = [s for s in missing if s.key not in state.passed]
         ends = [_us(s.window_s) for s in policy.required if s.key not in state.passed]
         next_window = dispatched + min(ends) if ends and dispatched is not None else None
@@ -440,6 +450,11 @@ def _late_record(
         "reward_policy_version": policy,
         "revision": revision,
     }
+
+
+def _present(spec: RewardSpec, sources: set[str], present: set[tuple[str, str]]) -> bool:
+    """spec.matches any present (source, name), as set lookups (this runs for every step touched)."""
+    return spec.source in sources if spec.name == "*" else (spec.source, spec.name) in present
 
 
 def _us(seconds: float) -> int:

@@ -21,7 +21,7 @@ import heapq
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
@@ -45,11 +45,33 @@ STEP_CACHE_SIZE = 5_000  # parsed step states kept between batches (~10 KB each 
 EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
 
 
+@dataclass(frozen=True)
+class _Before:
+    """What the late-rewards metric needs to know of a step before a batch or tick changed it."""
+
+    orphans: frozenset[str]
+    dispatched: bool
+    folded: frozenset[str] = frozenset()  # event ids folded since
+
+    @classmethod
+    def of(cls, state: StepState) -> _Before:
+        return cls(frozenset(state.orphans), state.dispatch is not None)
+
+    def newly_not_woven(self, late: dict[str, Any]) -> bool:
+        """A late-rewards row counts once: an orphan when first reported; a reward after grace when folded, or when
+        the dispatch that makes it late arrives (unless it was counted as an orphan already)."""
+        event_id, reason = late["event_id"], late["reason"]
+        if reason == "ORPHAN_RESOLVED" or event_id in self.orphans:
+            return False
+        return reason == "ORPHAN" or event_id in self.folded or not self.dispatched
+
+
 @dataclass
 class _Touched:
     state: StepState
     event: InputEvent  # any event of the step: all share its session's partition
-    not_woven: set[str]  # rewards already late or orphaned before this batch (for the late-rewards metric)
+    before: _Before
+    folded: set[str] = field(default_factory=set)
     changed: bool = False
 
 
@@ -126,10 +148,12 @@ class StepProcessor:
                     ctx.bind(event)
                     state = self._load(key, event.source.partition) or StepState(key.decode())
                     state.partition = event.source.partition
-                    entry = touched[key] = _Touched(state, event, self._not_woven(state))
+                    entry = touched[key] = _Touched(state, event, _Before.of(state))
                 joined_before = _joined_rewards(entry.state)
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record)
                 entry.changed |= folded
+                if folded:
+                    entry.folded.add(env["event_id"])
                 if folded and event.schema_name == REWARD:
                     self._remember(event.record)
                 _observe_joins(entry.state, joined_before, ctx)
@@ -148,7 +172,8 @@ class StepProcessor:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             self._schedule(state)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
-            await self._publish(state, entry.event.session_key, ctx, entry.not_woven)
+            before = _Before(entry.before.orphans, entry.before.dispatched, frozenset(entry.folded))
+            await self._publish(state, entry.event.session_key, ctx, before)
 
     # --- windows -------------------------------------------------------------------------------------------------
 
@@ -188,11 +213,11 @@ class StepProcessor:
             state = self._load(key, partition)
             if state is None:
                 continue
-            not_woven = self._not_woven(state)
+            before = _Before.of(state)
             if self._settle(state, ctx):
                 await table_writes.put_in_partition(self.table, key, state.to_bytes(), partition, ctx)
                 self._decoded.wrote(key, state, self._generation())
-                await self._publish(state, state.session_key, ctx, not_woven)
+                await self._publish(state, state.session_key, ctx, before)
             self._schedule(state)
 
     # --- expiry --------------------------------------------------------------------------------------------------
@@ -280,20 +305,15 @@ class StepProcessor:
 
     # --- output --------------------------------------------------------------------------------------------------
 
-    async def _publish(self, state: StepState, key: bytes, ctx: ProcessingContext, not_woven: set[str]) -> None:
+    async def _publish(self, state: StepState, key: bytes, ctx: ProcessingContext, before: _Before) -> None:
         """The step's current rows (late rewards and orphans included); counts rewards newly not woven."""
         records = self.assembler.outputs(state)
         if state.dispatch is None:
             records += [(LATE, self.assembler.orphan(state, event_id)) for event_id in state.orphans]
         for schema_name, record in records:
             await ctx.publish(schema_name, record, key=key)
-            if schema_name == LATE and record["reason"] != "ORPHAN_RESOLVED" and record["event_id"] not in not_woven:
+            if schema_name == LATE and before.newly_not_woven(record):
                 ctx.metrics.late_rewards.labels(record["source"]).inc()
-
-    def _not_woven(self, state: StepState) -> set[str]:
-        if state.dispatch is None or not state.rewards:
-            return set(state.orphans)
-        return {event_id for event_id, *_ in self.assembler.weave(state).late} | set(state.orphans)
 
     def _remember(self, reward: dict[str, Any]) -> None:
         policy = self.assembler.policies.for_dispatch(reward["envelope"]["event_time"])

@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,7 +209,19 @@ def test_woven_rewards_and_late_rewards_match_the_oracle(
     asyncio.run(produce(settings_, events))
     check, explain = matches(settings_, steps)
     wait_for(check, 120, "woven and late rewards as the oracle says", explain=explain)
+    assert_late_rewards_counted_once(settings_, events)
     worker.stop()
+
+
+def assert_late_rewards_counted_once(settings: Settings, events: list[tuple[str, dict]]) -> None:
+    """treadle_late_rewards_total by source: one per late-rewards row, whatever revisions the row went through
+    (an ORPHAN_RESOLVED row was counted once, when it was reported as an orphan)."""
+    source_of = {r["envelope"]["event_id"]: r["source"] for name, r in events if name == REWARD}
+    _, rows = run_sql(settings, "SELECT event_id FROM late_rewards_latest")
+    want = Counter(source_of[event_id] for (event_id,) in rows)
+    samples = scrape(settings)
+    got = {dict(labels)["source"]: v for (n, labels), v in samples.items() if n == "treadle_late_rewards_total"}
+    assert got == want
 
 
 def test_kill_minus_nine_mid_window_ends_in_the_oracle_rows(deployment: Settings, worker_factory, tmp_path) -> None:
@@ -326,3 +339,4 @@ def test_a_step_expires_after_its_horizon_plus_retention_and_a_reward_after_that
     got = wait_for(rows, 60, "B's reward woven and A's late reward reported")
     assert got["steps"] == [(0, "complete", 1.0), (1, "complete", 0.25)]
     assert got["late"] == [(late_for_a["envelope"]["event_id"], "ORPHAN")]
+    assert_late_rewards_counted_once(settings_, [*events, (REWARD, late_for_a)])
