@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CLOSE = "close"
 POLICY_REFRESH_S = 5.0
-STEP_CACHE_SIZE = 5_000  # parsed step states kept between batches (~10 KB each as Python objects)
+STEP_CACHE_SIZE = 10_000  # parsed step states kept between batches (~10 KB each as Python objects)
 EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
 
 
