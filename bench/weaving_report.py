@@ -293,8 +293,8 @@ def soak_table(
             [
                 f"achieved {run.rate:,.0f} input events/s; worst send {run.behind_s * 1000:.0f} ms behind schedule",
                 "open_steps, expired steps: the worker's treadle_open_steps gauge and treadle_expired_steps_total "
-                "(n/a: /metrics did not answer within 5 s, or a worker without it); open_steps counts queued window "
-                "timers, one per batch that touched a step, not distinct steps",
+                "(n/a: /metrics did not answer within 5 s, or a worker without it); open_steps: steps waiting for a "
+                "required window",
                 "all samples (min: worker/sink MB): "
                 + ", ".join(f"{s[0] / 60:.1f}: {_mb(s[1])}/{_mb(s[2])}" for s in samples),
                 *notes,
