@@ -283,10 +283,11 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         with _sql_endpoint(ch, settings):  # the sink's process owns chDB, as while a worker runs
             public = lambda: state_at(settings, SESSION, last)  # noqa: E731
             serial = lambda: _serial_state(settings, last)  # noqa: E731
-            (public_ms, size), (serial_ms, _) = interleaved([public, serial], runs)
+            by_id = lambda: state_at(settings, SESSION, state.version_id)  # noqa: E731
+            (public_ms, size), (serial_ms, _), (by_id_ms, _) = interleaved([public, serial, by_id], runs)
             results.append(("state_at(V last): the public path", public_ms, size))
             results.append(("  baseline: 3 statements in series (interleaved)", serial_ms, size))
-            results.append(("  same, V by id", *p50(lambda: state_at(settings, SESSION, state.version_id), runs)))
+            results.append(("  same, V by id (interleaved)", by_id_ms, size))
             results.append(("  same, middle V", *p50(lambda: state_at(settings, SESSION, middle), runs)))
             touch = lambda: _touch(state_at(settings, SESSION, last))  # noqa: E731
             results.append(("  same, then every node and edge built", *p50(touch, max(3, runs // 4))))
