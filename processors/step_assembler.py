@@ -224,11 +224,28 @@ class StepAssembler:
     # --- rows ----------------------------------------------------------------------------------------------------
 
     def next_window_us(self, state: StepState) -> int | None:
-        """End of the next required window the watermark has not passed (as `weave`, without weaving)."""
+        """When the step next needs the watermark: the end of the first unpassed required window of a source that
+        is still missing (passing it changes the rows: partial or imputed), else the end of its last unpassed one.
+
+        Passing the window of a source already in changes only the revision, so those windows are passed together
+        with a later one (`pass_windows` marks every window the watermark passed): the final rows are the same,
+        with fewer intermediate revisions to write and publish.
+        """
         if state.dispatch is None:
             return None
-        ends = [_us(s.window_s) for s in self.policy_of(state).required if s.key not in state.passed]
-        return state.dispatch["envelope"]["event_time"] + min(ends) if ends else None
+        policy = self.policy_of(state)
+        unpassed = [s for s in policy.required if s.key not in state.passed]
+        if not unpassed:
+            return None
+        dispatched = state.dispatch["envelope"]["event_time"]
+        present: set[tuple[str, str]] = set()
+        for reward in state.rewards.values():
+            spec = self.spec_for(policy, reward["source"], reward["name"])
+            if reward["envelope"]["event_time"] <= dispatched + _us(spec.deadline_s):
+                present.add((reward["source"], reward["name"]))
+        sources = {source for source, _ in present}
+        missing = [s.window_s for s in unpassed if not _present(s, sources, present)]
+        return dispatched + _us(min(missing) if missing else max(s.window_s for s in unpassed))
 
     def horizon_us(self, state: StepState) -> int:
         """Event time after which no reward can be woven into the step any more: the latest deadline of its

@@ -288,3 +288,20 @@ def test_expiry_index_keys_sort_by_time_then_step_and_parse_back(entries: list[t
     assert [(d.expires_us, d.logical_event_id) for d in map(DueStep.parse, keys)] == entries
     by_key = sorted(range(len(entries)), key=lambda i: keys[i])
     assert [entries[i][0] for i in by_key] == sorted(t for t, _ in entries)
+
+
+def test_the_next_window_is_a_missing_sources_else_the_last_one() -> None:
+    """Passing the window of a source already in changes only the revision: those wait for a later window."""
+    a, state = assembler(), StepState("l-1")
+    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    assert a.next_window_us(state) == T0 + 10 * S  # judge (10 s) and human (100 s) both missing: judge's first
+    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 2, 2))
+    assert a.next_window_us(state) == T0 + 100 * S  # judge is in: human's window is the next that changes rows
+    a.fold(state, REWARD, signal("l-1", "human", 1.0, 3, 3))
+    assert a.next_window_us(state) == T0 + 100 * S  # every source in: the last window, passed with the others
+    a.pass_windows(state, T0 + 100 * S)
+    assert state.passed == ["human/*", "judge/*"] and a.next_window_us(state) is None
+    late_judge = StepState("l-2")
+    a.fold(late_judge, DISPATCH, at(dispatch("s-1", "l-2", 0, 1), 0))
+    a.fold(late_judge, REWARD, signal("l-2", "judge", 1.0, 16, 2))  # after window 10 + grace 5: not in
+    assert a.next_window_us(late_judge) == T0 + 10 * S
