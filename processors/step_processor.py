@@ -45,13 +45,13 @@ STEP_CACHE_SIZE = 10_000  # parsed step states kept between batches (~10 KB each
 EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Before:
     """What the late-rewards metric needs to know of a step before a batch or tick changed it."""
 
     orphans: frozenset[str]
     dispatched: bool
-    folded: frozenset[str] = frozenset()  # event ids folded since
+    folded: set[str] = field(default_factory=set)  # event ids folded since
 
     @classmethod
     def of(cls, state: StepState) -> _Before:
@@ -71,7 +71,6 @@ class _Touched:
     state: StepState
     event: InputEvent  # any event of the step: all share its session's partition
     before: _Before
-    folded: set[str] = field(default_factory=set)
     changed: bool = False
 
 
@@ -153,7 +152,7 @@ class StepProcessor:
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record)
                 entry.changed |= folded
                 if folded:
-                    entry.folded.add(env["event_id"])
+                    entry.before.folded.add(env["event_id"])
                 if folded and event.schema_name == REWARD:
                     self._remember(event.record)
                 _observe_joins(entry.state, joined_before, ctx)
@@ -172,8 +171,7 @@ class StepProcessor:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             self._schedule(state)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
-            before = _Before(entry.before.orphans, entry.before.dispatched, frozenset(entry.folded))
-            await self._publish(state, entry.event.session_key, ctx, before)
+            await self._publish(state, entry.event.session_key, ctx, entry.before)
 
     # --- windows -------------------------------------------------------------------------------------------------
 
