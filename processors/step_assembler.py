@@ -12,9 +12,12 @@ of their arrival order, so a replay after a crash ends in exactly the rows of an
   `imputed` where the spec imputes a value); every later reward in time is a new revision. Only
   *when* that happens depends on the watermark, not what is finally emitted;
 - Transition.revision counts the distinct events in the step (dispatch, results, rewards in
-  time) plus the required windows the watermark has passed; WovenReward.revision counts its
-  rewards in time. Every change raises them, and the final rows (all events in, all windows
-  passed) have the highest revision, whatever the timing, so they win in ReplacingMergeTree.
+  time) plus a window term: the number of required sources once none is waiting any more (each
+  is in, or its window passed), else the required windows the watermark has passed while their
+  source was missing. WovenReward.revision counts its rewards in time. Every change raises them,
+  and the final rows (all events in, all windows passed) have the highest revision, whatever the
+  timing, so they win in ReplacingMergeTree. A window passing over a source that is already in
+  changes nothing, so it needs no timer, no write and no new revision.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class StepState:
     extra_dispatches: list[str] = field(default_factory=list)
     partition: int | None = None  # of the session, so timers can find the step again after a restart
     reward_policy: str | None = None  # version, fixed when the dispatch is folded
-    passed: list[str] = field(default_factory=list)  # required spec keys whose window the watermark passed
+    passed: list[str] = field(default_factory=list)  # required spec keys whose window passed while it was missing
     imputed: dict[str, float] = field(default_factory=dict)  # spec key -> value, fixed when its window passed
     orphans: list[str] = field(default_factory=list)  # rewards reported as orphans (no dispatch in time)
 
@@ -118,7 +121,7 @@ class Weave:
     late: list[tuple[str, dict[str, Any], RewardSpec, int]]  # (event_id, reward, spec, lateness in us)
     missing: list[RewardSpec]  # required specs without a reward in time
     waiting: list[RewardSpec]  # missing specs whose window the watermark has not passed yet
-    next_window_us: int | None  # end of the next required window the watermark has not passed
+    next_window_us: int | None  # end of the first waiting window: when passing it changes the rows
 
 
 class StepAssembler:
@@ -191,61 +194,35 @@ class StepAssembler:
         sources = {source for source, _ in present}
         missing = [s for s in policy.required if not _present(s, sources, present)]
         waiting = [s for s in missing if s.key not in state.passed]
-        ends = [_us(s.window_s) for s in policy.required if s.key not in state.passed]
+        ends = [_us(s.window_s) for s in waiting]
         next_window = dispatched + min(ends) if ends and dispatched is not None else None
         return Weave(on_time, late, missing, waiting, next_window)
 
     def pass_windows(self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None) -> bool:
-        """Mark the required windows the watermark passed; a source missing then gets its imputed value."""
+        """Mark the windows of missing sources the watermark passed, imputing where the spec says; True if any.
+
+        Only a missing source's window changes the rows (partial or imputed): passing the window of a source
+        already in changes nothing, so it is not recorded (see the revision in the module docstring).
+        """
         if state.dispatch is None:
             return False
         dispatched = state.dispatch["envelope"]["event_time"]
-        due = [
-            spec
-            for spec in self.policy_of(state).required
-            if spec.key not in state.passed and dispatched + _us(spec.window_s) <= watermark_us
-        ]
-        if not due:
-            return False
-        weave = self.weave(state)
-        changed = False
+        due = [spec for spec in self.weave(state).waiting if dispatched + _us(spec.window_s) <= watermark_us]
         for spec in due:
             state.passed.append(spec.key)
-            changed = True
-            if spec not in weave.missing:
-                continue
             if spec.imputation is Imputation.DEFAULT:
                 state.imputed[spec.key] = float(spec.default_value)  # type: ignore[arg-type]
             elif spec.imputation is Imputation.ROLLING_MEAN and rolling_means and spec.key in rolling_means:
                 state.imputed[spec.key] = rolling_means[spec.key]
         state.passed.sort()
-        return changed
+        return bool(due)
 
     # --- rows ----------------------------------------------------------------------------------------------------
 
     def next_window_us(self, state: StepState) -> int | None:
-        """When the step next needs the watermark: the end of the first unpassed required window of a source that
-        is still missing (passing it changes the rows: partial or imputed), else the end of its last unpassed one.
-
-        Passing the window of a source already in changes only the revision, so those windows are passed together
-        with a later one (`pass_windows` marks every window the watermark passed): the final rows are the same,
-        with fewer intermediate revisions to write and publish.
-        """
-        if state.dispatch is None:
-            return None
-        policy = self.policy_of(state)
-        unpassed = [s for s in policy.required if s.key not in state.passed]
-        if not unpassed:
-            return None
-        dispatched = state.dispatch["envelope"]["event_time"]
-        present: set[tuple[str, str]] = set()
-        for reward in state.rewards.values():
-            spec = self.spec_for(policy, reward["source"], reward["name"])
-            if reward["envelope"]["event_time"] <= dispatched + _us(spec.deadline_s):
-                present.add((reward["source"], reward["name"]))
-        sources = {source for source, _ in present}
-        missing = [s.window_s for s in unpassed if not _present(s, sources, present)]
-        return dispatched + _us(min(missing) if missing else max(s.window_s for s in unpassed))
+        """When the step next needs the watermark: the end of the first window of a required source still missing
+        (passing it changes the rows: partial or imputed); None when no source is waiting."""
+        return self.weave(state).next_window_us if state.dispatch is not None else None
 
     def horizon_us(self, state: StepState) -> int:
         """Event time after which no reward can be woven into the step any more: the latest deadline of its
@@ -354,6 +331,8 @@ class StepAssembler:
         times = [env["event_time"]]
         times += [r["envelope"]["event_time"] for r in state.results.values()]
         times += [r["envelope"]["event_time"] for _, r, _ in weave.on_time]
+        # Once no source is waiting, the window term is final (every required window counts as passed).
+        windows = len(state.passed) if weave.waiting else len(self.policy_of(state).required)
         if woven is not None:
             reward_status = woven["status"]
         else:
@@ -362,7 +341,7 @@ class StepAssembler:
             "session_id": env["session_id"],
             "step": dispatch["step"],
             "logical_event_id": state.logical_event_id,
-            "revision": 1 + len(state.extra_dispatches) + len(state.results) + len(weave.on_time) + len(state.passed),
+            "revision": 1 + len(state.extra_dispatches) + len(state.results) + len(weave.on_time) + windows,
             "agent_id": env["agent_id"],
             "episode_id": env["episode_id"],
             "trace_id": env["trace_id"],

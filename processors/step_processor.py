@@ -135,9 +135,13 @@ class StepProcessor:
 
     async def _process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         touched: dict[bytes, _Touched] = {}
+        newest: dict[tuple[int, str], int] = {}  # (partition, topic) -> newest event time in the batch
+        joined_at = time.time()
         for event in events:
             env = event.record["envelope"]
-            self.watermarks.observe(event.source.partition, event.source.topic, env["event_time"])
+            where = (event.source.partition, event.source.topic)
+            if env["event_time"] > newest.get(where, -1):
+                newest[where] = env["event_time"]
             if is_episode_reward(event.schema_name, event.record):
                 continue  # credit assignment (processors/credit_processor.py) spreads it over the episode
             key = env["logical_event_id"].encode()
@@ -155,9 +159,11 @@ class StepProcessor:
                     entry.before.folded.add(env["event_id"])
                 if folded and event.schema_name == REWARD:
                     self._remember(event.record)
-                _observe_joins(entry.state, joined_before, ctx)
+                _observe_joins(entry.state, joined_before, joined_at, ctx)
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
+        for (partition, topic), event_time in newest.items():
+            self.watermarks.observe(partition, topic, event_time)
         for partition in {e.event.source.partition for e in touched.values()}:
             self.watermarks.advance(partition)
         for key, entry in touched.items():
@@ -332,10 +338,10 @@ def _joined_rewards(state: StepState) -> int:
     return len(state.rewards) if state.dispatch is not None else 0
 
 
-def _observe_joins(state: StepState, joined_before: int, ctx: ProcessingContext) -> None:
+def _observe_joins(state: StepState, joined_before: int, now: float, ctx: ProcessingContext) -> None:
     newly_joined = _joined_rewards(state) - joined_before
     if newly_joined > 0:
         assert state.dispatch is not None
-        waited = max(0.0, time.time() - state.dispatch["envelope"]["event_time"] / 1e6)
+        waited = max(0.0, now - state.dispatch["envelope"]["event_time"] / 1e6)
         for _ in range(newly_joined):
             ctx.metrics.reward_join_latency.observe(waited)
