@@ -43,7 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small N, 15 s of latency, a 1-minute soak")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the worker to one core")
     parser.add_argument("--timeout", type=float, default=300.0, help="give up on the throughput read-back (300 s)")
-    parser.add_argument("--profile", type=Path, help="py-spy the throughput run's worker (raw format) into this file")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="py-spy the worker (raw format) into this file; the latency run into <name>-latency<suffix>",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary TREADLE_HOME (logs, data)")
     args = parser.parse_args(argv)
     if args.quick:

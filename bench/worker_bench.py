@@ -215,11 +215,11 @@ def backlog_catch_up(
     spy = None
     try:
         worker.wait_ready(120)
-        spy = _py_spy(worker.pid, profile) if profile is not None else None
+        spy = py_spy(worker.pid, profile) if profile is not None else None
         cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
-        _stop_spy(spy)
+        stop_spy(spy)
     finally:
         if spy is not None and spy.poll() is None:
             spy.kill()
@@ -315,13 +315,13 @@ def consume_baseline(
     )  # fmt: skip
 
 
-def _stop_spy(spy: subprocess.Popen[bytes] | None) -> None:
+def stop_spy(spy: subprocess.Popen[bytes] | None) -> None:
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(30)
 
 
-def _py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
+def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(exe).exists():
         return None
@@ -361,13 +361,13 @@ def worker_section(
         ready_s = worker.wait_ready(120)
         info.append(f"worker pid {worker.pid} ready after {ready_s:.1f}s; log {worker.log_path}")
         if profile is not None:
-            spy = _py_spy(worker.pid, profile)
+            spy = py_spy(worker.pid, profile)
             info.append(f"py-spy raw profile -> {profile}" if spy else "py-spy not installed: no profile")
         cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         expected = {s.logical_event_id: s.final_revision for s in steps}
         watch, started = asyncio.run(_drive(settings, expected, encoded, timeout))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
-        _stop_spy(spy)
+        stop_spy(spy)
         visible_s = visible = None
         if clickhouse and watch.done_s is not None:
             want = (len(steps), sum(s.final_revision for s in steps), n)

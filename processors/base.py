@@ -6,7 +6,8 @@ owns its Faust tables (created in `setup`) and publishes derived records through
 
 Batches matter for speed (one state write and one output per step per batch instead of per event),
 but Faust tables pick their RocksDB partition and changelog partition from "the current event";
-`ctx.bind(event)` makes an event current so a table read or write lands in that event's partition.
+`ctx.bind(event)` makes an event current so a table read through Faust (`table.get`) lands in that
+event's partition. processors/table_writes.py reads and writes a given partition directly instead.
 """
 
 from __future__ import annotations

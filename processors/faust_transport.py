@@ -146,6 +146,13 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         # Shielded: cancelling the fetch loop (a stop) must not leave a batch half folded.
         await asyncio.shield(fold_then_ack())
 
+    async def _commit_tps(self, tps: Any, start_new_transaction: bool) -> bool:
+        """Faust's commit (flush the producer, then commit acked offsets), after the app's before-commit hooks:
+        held-back table writes reach the producer first, so the flush covers them (processors/write_behind.py)."""
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        await app._before_commit()
+        return await super()._commit_tps(tps, start_new_transaction)
+
     def _new_consumer_thread(self) -> ResumingConsumerThread:
         return ResumingConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
@@ -224,6 +231,26 @@ class ResumingApp(faust.App):
     batch_handler: BatchHandler | None = None
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
+    # Run, in order, before every offset commit, when a rebalance revokes partitions and when the consumer stops:
+    # held-back table writes (processors/write_behind.py) reach the tables while this worker still owns them.
+    before_commit: list[Callable[[], Awaitable[None]]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_commit = []
+
+    async def _on_partitions_revoked(self, revoked: Any) -> None:
+        if not self.should_stop:
+            await self._before_commit()
+        await super()._on_partitions_revoked(revoked)
+
+    async def _stop_consumer(self) -> None:
+        await self._before_commit()
+        await super()._stop_consumer()
+
+    async def _before_commit(self) -> None:
+        for hook in self.before_commit:
+            await hook()
 
     def deliver_in_batches(
         self, topic: faust.TopicT, handler: BatchHandler, max_records: int = 1000, linger_s: float = 0.0

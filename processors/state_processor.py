@@ -306,7 +306,7 @@ class StateProcessor:
                 await table_writes.send_changelog(self.sessions, work.session.encode(), record, work.partition, ctx)
             await self.app.producer.flush()  # committed
             for work, record in records:
-                table_writes.write_local(self.sessions, work.session.encode(), record, work.partition, ctx)
+                table_writes.write_local(self.sessions, work.session.encode(), record, work.partition)
                 self._remember(work.session, work.state)
         versions: list[dict[str, Any]] = []
         for work in works:
@@ -343,7 +343,7 @@ class StateProcessor:
             await ctx.send(topic, key, None, partition=work.partition)
         await self.app.producer.flush()
         for key in keys:
-            table_writes.delete_local(self.graph, key, work.partition, ctx)
+            table_writes.delete_local(self.graph, key, work.partition)
         log.info("state of ended session %s dropped (%d keys)", work.session, len(keys))
         if self.cache is not None:
             try:

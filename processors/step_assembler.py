@@ -130,6 +130,7 @@ class StepAssembler:
     def __init__(self, policies: PolicyBook | None = None) -> None:
         self.policies = policies or PolicyBook()
         self._specs: dict[tuple[str, str, str], RewardSpec] = {}  # (policy version, source, name) -> spec
+        self._latest_deadline_us: dict[str, int] = {}  # policy version -> its latest window + grace
 
     def spec_for(self, policy: RewardPolicy, source: str, name: str) -> RewardSpec:
         """policy.spec_for, remembered: policy versions are immutable and this runs for every reward."""
@@ -207,6 +208,12 @@ class StepAssembler:
         if state.dispatch is None:
             return False
         dispatched = state.dispatch["envelope"]["event_time"]
+        passed = state.passed
+        if all(
+            spec.key in passed or dispatched + _us(spec.window_s) > watermark_us
+            for spec in self.policy_of(state).required
+        ):
+            return False  # no window newly passed: skip the weave (this runs for every step a batch touches)
         due = [spec for spec in self.weave(state).waiting if dispatched + _us(spec.window_s) <= watermark_us]
         for spec in due:
             state.passed.append(spec.key)
@@ -219,27 +226,33 @@ class StepAssembler:
 
     # --- rows ----------------------------------------------------------------------------------------------------
 
-    def next_window_us(self, state: StepState) -> int | None:
+    def next_window_us(self, state: StepState, weave: Weave | None = None) -> int | None:
         """When the step next needs the watermark: the end of the first window of a required source still missing
-        (passing it changes the rows: partial or imputed); None when no source is waiting."""
-        return self.weave(state).next_window_us if state.dispatch is not None else None
+        (passing it changes the rows: partial or imputed); None when no source is waiting. `weave`: the state's, if
+        the caller has it already."""
+        if state.dispatch is None:
+            return None
+        return (weave or self.weave(state)).next_window_us
 
     def horizon_us(self, state: StepState) -> int:
         """Event time after which no reward can be woven into the step any more: the latest deadline of its
         policy (unknown sources get the default window and grace); with no dispatch, its latest orphan deadline."""
         if state.dispatch is not None:
             policy = self.policy_of(state)
-            deadlines = [spec.deadline_s for spec in policy.specs]
-            deadlines.append(policy.default_window_s + policy.default_grace_s)
-            return state.dispatch["envelope"]["event_time"] + _us(max(deadlines))
+            latest = self._latest_deadline_us.get(policy.version)
+            if latest is None:
+                deadlines = [spec.deadline_s for spec in policy.specs]
+                deadlines.append(policy.default_window_s + policy.default_grace_s)
+                latest = self._latest_deadline_us[policy.version] = _us(max(deadlines))
+            return state.dispatch["envelope"]["event_time"] + latest
         events = [*state.rewards.values(), *state.results.values()]
         return max(self.orphan_deadline_us(event) for event in events)
 
-    def outputs(self, state: StepState) -> list[tuple[str, dict[str, Any]]]:
+    def outputs(self, state: StepState, weave: Weave | None = None) -> list[tuple[str, dict[str, Any]]]:
         """The step's current rows: late rewards, then its woven reward (once due), then its transition."""
         if state.dispatch is None:
             return []
-        weave = self.weave(state)
+        weave = weave or self.weave(state)
         records: list[tuple[str, dict[str, Any]]] = [
             (LATE, self.late_reward(state, event_id, reward, spec, lateness))
             for event_id, reward, spec, lateness in weave.late

@@ -1,7 +1,9 @@
 """The step assembler as a Faust processor: StepState per logical_event_id in a RocksDB table.
 
-Per batch, each touched step is read once, folded with all its events, written once and its
-current rows published once; the fold is order-independent, so batching changes no result.
+Per batch, each touched step is read once, folded with all its events and its current rows published
+once; the fold is order-independent, so batching changes no result. Changed steps are written to the
+table (RocksDB + changelog) before the next offset commit, once however many batches changed them
+(processors/write_behind.py).
 
 Event time: every input event advances its partition's watermark (processors/watermarks.py). A step
 still missing a required reward source waits in a per-partition timer queue until the watermark
@@ -31,9 +33,10 @@ from processors.base import InputEvent, ProcessingContext
 from processors.decoded_rows import DecodedRows
 from processors.policy_topic import PolicyTopic
 from processors.reward_policy import Imputation, PolicyBook, load_policy_file
-from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, is_episode_reward
+from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, Weave, is_episode_reward
 from processors.step_expiry import StepExpiry
 from processors.watermarks import Watermarks
+from processors.write_behind import WriteBehind
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
 
@@ -43,19 +46,20 @@ CLOSE = "close"
 POLICY_REFRESH_S = 5.0
 STEP_CACHE_SIZE = 10_000  # parsed step states kept between batches (~10 KB each as Python objects)
 EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one tick never stalls the input
+UNWRITTEN_STEPS = 10_000  # changed steps held back before a write-out (else at the next offset commit)
 
 
 @dataclass
 class _Before:
     """What the late-rewards metric needs to know of a step before a batch or tick changed it."""
 
-    orphans: frozenset[str]
+    orphans: tuple[str, ...]
     dispatched: bool
     folded: set[str] = field(default_factory=set)  # event ids folded since
 
     @classmethod
     def of(cls, state: StepState) -> _Before:
-        return cls(frozenset(state.orphans), state.dispatch is not None)
+        return cls(tuple(state.orphans), state.dispatch is not None)
 
     def newly_not_woven(self, late: dict[str, Any]) -> bool:
         """A late-rewards row counts once: an orphan when first reported; a reward after grace when folded, or when
@@ -86,6 +90,8 @@ class StepProcessor:
         self.ctx: ProcessingContext | None = None
         # partition -> heap of (due event time us, logical_event_id, CLOSE or the orphan reward's event_id)
         self._due: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
+        # partition -> logical_event_id -> due time of its live CLOSE entry; other CLOSE entries are stale
+        self._waiting: dict[int, dict[str, int]] = defaultdict(dict)
         self._indexed_for: frozenset[Any] | None = None  # the assignment the timer queues were built for
         self._lock = asyncio.Lock()
         self._recent: dict[str, deque[float]] = {}  # spec key -> recent values, for rolling-mean imputation
@@ -93,12 +99,14 @@ class StepProcessor:
         self._decoded: DecodedRows[StepState] = DecodedRows(STEP_CACHE_SIZE)
         self.expiry = StepExpiry()
         self._indexed: DecodedRows[int] = DecodedRows(STEP_CACHE_SIZE)  # key -> expiry time known to be indexed
+        self._unwritten: WriteBehind[StepState] = WriteBehind(UNWRITTEN_STEPS)  # written out before commits
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
             app, self.name, settings, help="StepState per logical_event_id, serialized with orjson."
         )
         self.expiry.setup(app, settings, self.name)
+        app.before_commit.append(self.write_out)  # type: ignore[attr-defined]  # a ResumingApp
         if settings.reward_policy is not None:
             self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
         self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s)
@@ -121,6 +129,25 @@ class StepProcessor:
 
     def attach(self, ctx: ProcessingContext) -> None:
         self.ctx = ctx
+
+    async def write_out(self) -> None:
+        """Write the changed steps to the table (RocksDB + changelog): before every offset commit, when a rebalance
+        revokes partitions and when the worker stops (ResumingApp.before_commit)."""
+        if self.ctx is not None:
+            async with self._lock:
+                await self._write_out(self.ctx)
+
+    async def _write_out(self, ctx: ProcessingContext) -> None:
+        active, dropped = set(self._active_partitions()), 0
+        for unwritten in self._unwritten.take():
+            if unwritten.partition not in active:
+                dropped += 1  # revoked: its offsets are not committed here, the new owner replays its inputs
+                continue
+            value = unwritten.value.to_bytes()
+            await table_writes.put_in_partition(self.table, unwritten.key, value, unwritten.partition, ctx)
+        if dropped:
+            log.info("%d changed steps of partitions no longer assigned here were not written: their new owner "
+                     "replays their inputs", dropped)  # fmt: skip
 
     async def refresh_policies(self) -> None:
         """Learn policy versions pushed with `treadle policy push` (the worker also does it at start)."""
@@ -148,7 +175,6 @@ class StepProcessor:
             entry = touched.get(key)
             try:
                 if entry is None:
-                    ctx.bind(event)
                     state = self._load(key, event.source.partition) or StepState(key.decode())
                     state.partition = event.source.partition
                     entry = touched[key] = _Touched(state, event, _Before.of(state))
@@ -170,14 +196,21 @@ class StepProcessor:
             state = entry.state
             entry.changed |= self._settle(state, ctx)
             if entry.changed:
-                await table_writes.put(self.table, key, state.to_bytes(), entry.event, ctx)
-                self._decoded.wrote(key, state, self._generation())
+                self._changed(key, state, entry.event.source.partition)
                 await self._index_expiry(key, state, entry.event.source.partition, ctx)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
-            self._schedule(state)
+            weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
+            self._schedule(state, weave)
             # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
-            await self._publish(state, entry.event.session_key, ctx, entry.before)
+            await self._publish(state, entry.event.session_key, ctx, entry.before, weave)
+        if self._unwritten.full():
+            await self._write_out(ctx)
+
+    def _changed(self, key: bytes, state: StepState, partition: int) -> None:
+        """The step changed: written out before the next offset commit (processors/write_behind.py)."""
+        self._unwritten.mark(key, partition, state)
+        self._decoded.wrote(key, state, self._generation())
 
     # --- windows -------------------------------------------------------------------------------------------------
 
@@ -189,6 +222,7 @@ class StepProcessor:
                 return  # recovering: the table is not complete yet
             assignment = frozenset(app.consumer.assignment())
             if assignment != self._indexed_for:
+                await self._write_out(ctx)  # the index is rebuilt from the table
                 self._rebuild_index()
                 self._indexed_for = assignment
             open_steps = 0
@@ -198,7 +232,7 @@ class StepProcessor:
                 if lag is not None:
                     ctx.metrics.watermark_lag.labels(str(partition)).set(lag)
                 await self._fire_due(partition, watermark, ctx)
-                open_steps += len({lid for _, lid, what in self._due[partition] if what == CLOSE})
+                open_steps += len(self._waiting[partition])
             ctx.metrics.open_steps.set(open_steps)
             for partition in self._active_partitions():
                 self.watermarks.advance(partition)
@@ -207,22 +241,29 @@ class StepProcessor:
                     await self._expire_due(partition, progress, ctx)
 
     async def _fire_due(self, partition: int, watermark: int | None, ctx: ProcessingContext) -> None:
-        heap = self._due[partition]
+        heap, waiting = self._due[partition], self._waiting[partition]
         due: set[str] = set()
         while heap and watermark is not None and heap[0][0] <= watermark:
-            due.add(heapq.heappop(heap)[1])
+            at, lid, what = heapq.heappop(heap)
+            if what != CLOSE:
+                due.add(lid)
+            elif waiting.get(lid) == at:  # else stale: the step was rescheduled or no longer waits
+                del waiting[lid]
+                due.add(lid)
         for lid in sorted(due):
             key = lid.encode()
-            ctx.bind_partition(partition)
             state = self._load(key, partition)
             if state is None:
                 continue
             before = _Before.of(state)
+            weave = None
             if self._settle(state, ctx):
-                await table_writes.put_in_partition(self.table, key, state.to_bytes(), partition, ctx)
-                self._decoded.wrote(key, state, self._generation())
-                await self._publish(state, state.session_key, ctx, before)
-            self._schedule(state)
+                self._changed(key, state, partition)
+                weave = self.assembler.weave(state)
+                await self._publish(state, state.session_key, ctx, before, weave)
+            self._schedule(state, weave)
+        if self._unwritten.full():
+            await self._write_out(ctx)
 
     # --- expiry --------------------------------------------------------------------------------------------------
 
@@ -240,7 +281,6 @@ class StepProcessor:
         for due in self.expiry.due(partition, watermark, EXPIRE_PER_TICK):
             await self.expiry.unindex(due, partition, ctx)
             key = due.logical_event_id.encode()
-            ctx.bind_partition(partition)
             state = self._load(key, partition)
             if state is None:
                 continue
@@ -249,6 +289,7 @@ class StepProcessor:
                 await self.expiry.index(expires, due.logical_event_id, partition, ctx)
                 self._indexed.wrote(key, expires, self._generation())
                 continue
+            self._unwritten.discard(key)
             await table_writes.delete_in_partition(self.table, key, partition, ctx)
             self._decoded.forget(key)
             self._indexed.forget(key)
@@ -259,8 +300,8 @@ class StepProcessor:
         return sorted(tp.partition for tp in self.table.app.assignor.assigned_actives() if tp.topic == topic)
 
     def _load(self, key: bytes, partition: int) -> StepState | None:
-        """The step's state, parsed once per generation."""
-        state = self._decoded.get(key, self._generation())
+        """The step's state, parsed once per generation; changed steps not written out yet come from memory."""
+        state = self._unwritten.get(key) or self._decoded.get(key, self._generation())
         if state is None:
             stored = table_writes.get_in_partition(self.table, key, partition)
             state = StepState.from_bytes(stored) if stored is not None else None
@@ -283,7 +324,7 @@ class StepProcessor:
             return changed
         return self.assembler.pass_windows(state, watermark, self._rolling_means())
 
-    def _schedule(self, state: StepState) -> None:
+    def _schedule(self, state: StepState, weave: Weave | None = None) -> None:
         if state.partition is None:
             return
         heap = self._due[state.partition]
@@ -292,13 +333,18 @@ class StepProcessor:
                 if event_id not in state.orphans:
                     heapq.heappush(heap, (self.assembler.orphan_deadline_us(reward), state.logical_event_id, event_id))
             return
-        next_window = self.assembler.next_window_us(state)
-        if next_window is not None:
-            heapq.heappush(heap, (next_window, state.logical_event_id, CLOSE))
+        lid, waiting = state.logical_event_id, self._waiting[state.partition]
+        next_window = self.assembler.next_window_us(state, weave)
+        if next_window is None:
+            waiting.pop(lid, None)  # its heap entry, if any, is stale now
+        elif waiting.get(lid) != next_window:
+            waiting[lid] = next_window
+            heapq.heappush(heap, (next_window, lid, CLOSE))
 
     def _rebuild_index(self) -> None:
         """After a (re)start or rebalance, find the steps still waiting for a watermark in the table."""
         self._due.clear()
+        self._waiting.clear()
         count = 0
         for _, stored in self.table.data.items():
             state = StepState.from_bytes(stored)
@@ -309,9 +355,11 @@ class StepProcessor:
 
     # --- output --------------------------------------------------------------------------------------------------
 
-    async def _publish(self, state: StepState, key: bytes, ctx: ProcessingContext, before: _Before) -> None:
+    async def _publish(
+        self, state: StepState, key: bytes, ctx: ProcessingContext, before: _Before, weave: Weave | None = None
+    ) -> None:
         """The step's current rows (late rewards and orphans included); counts rewards newly not woven."""
-        records = self.assembler.outputs(state)
+        records = self.assembler.outputs(state, weave)
         if state.dispatch is None:
             records += [(LATE, self.assembler.orphan(state, event_id)) for event_id in state.orphans]
         for schema_name, record in records:

@@ -276,12 +276,21 @@ async def test_a_slow_endpoint_times_out_and_calls_run_concurrently_up_to_the_li
 
 
 class FakeTable(dict):
-    """What LlmJudge and table_writes use of a Faust table: get, data, changelog_topic."""
+    """What LlmJudge and table_writes use of a Faust table: get, data, changelog_topic, a partition's RocksDB."""
 
     def __init__(self) -> None:
         super().__init__()
         self.data = self
         self.changelog_topic = SimpleNamespace(get_topic_name=lambda: "llm_judge-changelog")
+
+    def _db_for_partition(self, partition: int) -> FakeTable:
+        return self  # one partition here
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self[key] = value
+
+    def delete(self, key: bytes) -> None:
+        self.pop(key, None)
 
 
 class FakeContext:

@@ -17,12 +17,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka.admin import AIOKafkaAdminClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streams.settings import Settings
 from streams.sql_client import run_sql
 from tests.factories import RawProducer, dispatch, reward, scrape, total, wait_for
+from topics.catalog import TopicCatalog
 from topics.ids import uuid7
 
 S = 1_000_000
@@ -238,6 +240,45 @@ def test_kill_minus_nine_mid_window_ends_in_the_oracle_rows(deployment: Settings
     restarted.wait_ready()
     check, explain = matches(settings_, steps)
     wait_for(check, 120, "the oracle's rows after the restart", explain=explain)
+
+
+def test_a_step_folded_before_an_offset_commit_survives_a_kill_minus_nine_after_it(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Changed steps are written out before Faust commits the offsets of their inputs (processors/write_behind.py):
+    once committed, the dispatch and the first reward are never read again, so after a kill -9 the step can only
+    come from the table's changelog. The human reward sent after the restart must join them."""
+    settings_ = weaving_settings(deployment, tmp_path)
+    session, lid = f"wb-{uuid7()[-10:]}", uuid7()
+    at = int(time.time() * S) - 86_400 * S
+    step = Step(session, 0, lid, at)
+    record = dispatch(session, lid, 0, 1)
+    record["envelope"]["event_time"] = at
+    judged, human = reward(session, lid, 2, 1.0, "judge", 1.0), reward(session, lid, 3, 0.0, "human", 1.0)
+    judged["envelope"]["event_time"], human["envelope"]["event_time"] = at + 2 * S, at + 60 * S
+    step.rewards += [judged, human]
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    asyncio.run(produce(settings_, [(DISPATCH, record), (REWARD, judged)]))
+    wait_for(lambda: asyncio.run(committed_inputs(settings_)) >= 2, 60, "the worker to commit both input offsets")
+    worker.kill()
+    restarted = worker_factory(settings_).start()
+    restarted.wait_ready()
+    asyncio.run(produce(settings_, [(REWARD, human)]))
+    check, explain = matches(settings_, [step])
+    wait_for(check, 60, "the step with all three events after the restart", explain=explain)
+
+
+async def committed_inputs(settings: Settings) -> int:
+    """Input records the worker's consumer group has committed, over every input partition."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(settings.app_id)
+    finally:
+        await admin.close()
+    inputs = {spec.name for spec in TopicCatalog(settings).inputs}
+    return sum(meta.offset for tp, meta in offsets.items() if tp.topic in inputs and meta.offset > 0)
 
 
 def fixed_workload(rng: random.Random) -> tuple[list[Step], list[tuple[str, dict]]]:
