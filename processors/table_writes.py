@@ -64,13 +64,8 @@ async def put_in_partition(table: Any, key: bytes, value: bytes, partition: int,
     await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
 
 
-async def delete(table: Any, key: bytes, event: InputEvent, ctx: ProcessingContext) -> None:
-    """del table[key]: a tombstone in the changelog, so compaction and recovery drop the key too."""
-    await delete_in_partition(table, key, event.source.partition, ctx)
-
-
 async def delete_in_partition(table: Any, key: bytes, partition: int, ctx: ProcessingContext) -> None:
-    """del table[key] in `partition`, outside any input event; a tombstone in the changelog."""
+    """del table[key] in `partition`: a tombstone in the changelog, so compaction and recovery drop the key too."""
     _db(table, partition).delete(key)
     await ctx.send(table.changelog_topic.get_topic_name(), key, None, partition=partition)
 
