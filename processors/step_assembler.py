@@ -213,7 +213,10 @@ class StepAssembler:
             spec.key in passed or dispatched + _us(spec.window_s) > watermark_us
             for spec in self.policy_of(state).required
         ):
-            return False  # no window newly passed: skip the weave (this runs for every step a batch touches)
+            # No unrecorded required window has passed: nothing can be due, skip the weave (this runs for every
+            # step a batch touches). Windows of sources already in are never recorded, so after they pass, the
+            # weave below runs and finds nothing due.
+            return False
         due = [spec for spec in self.weave(state).waiting if dispatched + _us(spec.window_s) <= watermark_us]
         for spec in due:
             state.passed.append(spec.key)

@@ -59,7 +59,7 @@ async def put(table: Any, key: bytes, value: bytes, event: InputEvent, ctx: Proc
 
 
 async def put_in_partition(table: Any, key: bytes, value: bytes, partition: int, ctx: ProcessingContext) -> None:
-    """table[key] = value in `partition`, outside any input event (a timer closing windows)."""
+    """table[key] = value in `partition` (a write-out of held-back steps, a timer, an expiry index entry)."""
     _db(table, partition).put(key, value)
     await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
 
