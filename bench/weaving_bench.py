@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         type=Path,
-        help="py-spy the worker (raw format) into this file; the latency run into <name>-latency<suffix>",
+        help="py-spy the worker (raw format) into this file; the latency run into <name>-latency<suffix> and its sink "
+        "child into <name>-sink<suffix>",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temporary TREADLE_HOME (logs, data)")
     args = parser.parse_args(argv)

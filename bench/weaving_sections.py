@@ -167,16 +167,20 @@ def latency(ctx: Context) -> bool:
     args = ctx.args
     settings = ctx.settings("latency", idle_timeout_s=5.0)
     worker, load_before = _start_worker(ctx, settings, {}), loadavg()
-    spy = None
+    spies: list = []
     try:
         ctx.console.print(f"latency: {args.rate:,.0f} input events/s for {args.duration:.0f}s…")
         sink = SqlEndpoint.read(settings)
         sink_pid = sink.pid if sink is not None else None
         cpu_before, sink_before = cpu_seconds(worker.pid), _cpu(sink_pid)
         if args.profile is not None:  # the paced load: small batches, every event its own step touch
-            spy = py_spy(worker.pid, args.profile.with_name(f"{args.profile.stem}-latency{args.profile.suffix}"))
+            for pid, name in ((worker.pid, "latency"), (sink_pid, "sink")):
+                if pid is not None:
+                    out = args.profile.with_name(f"{args.profile.stem}-{name}{args.profile.suffix}")
+                    spies.append(py_spy(pid, out))
         seen = asyncio.run(_live(settings, args.rate, args.duration, args.sessions, args.poll_interval))
-        stop_spy(spy)
+        for spy in spies:
+            stop_spy(spy)
         run = seen.run
         cpu_load, sink_load = _diff(cpu_before, cpu_seconds(worker.pid)), _diff(sink_before, _cpu(sink_pid))
         load_after = loadavg()
@@ -184,8 +188,9 @@ def latency(ctx: Context) -> bool:
         cpu_all = _diff(cpu_before, cpu_seconds(worker.pid))
         inserts = sink_inserts(scrape(settings.web_port))
     finally:
-        if spy is not None and spy.poll() is None:
-            spy.kill()
+        for spy in spies:
+            if spy is not None and spy.poll() is None:
+                spy.kill()
         worker.stop()
     load_s = (run.last_s or 0) - (run.first_s or 0)
     notes = [

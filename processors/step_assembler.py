@@ -256,6 +256,15 @@ class StepAssembler:
         if state.dispatch is None:
             return []
         weave = weave or self.weave(state)
+        records = self.late_rows(state, weave)
+        woven = self.woven_reward(state, weave)
+        if woven is not None:
+            records.append((WOVEN, woven))
+        records.append((TRANSITION, self.transition(state, weave, woven)))
+        return records
+
+    def late_rows(self, state: StepState, weave: Weave) -> list[tuple[str, dict[str, Any]]]:
+        """The step's late-rewards rows: rewards after grace, and orphans its dispatch came for after all."""
         records: list[tuple[str, dict[str, Any]]] = [
             (LATE, self.late_reward(state, event_id, reward, spec, lateness))
             for event_id, reward, spec, lateness in weave.late
@@ -265,10 +274,6 @@ class StepAssembler:
             for event_id, reward, spec in weave.on_time
             if event_id in state.orphans
         ]
-        woven = self.woven_reward(state, weave)
-        if woven is not None:
-            records.append((WOVEN, woven))
-        records.append((TRANSITION, self.transition(state, weave, woven)))
         return records
 
     def components(self, state: StepState, weave: Weave) -> list[Component]:

@@ -1,7 +1,8 @@
 """The step assembler as a Faust processor: StepState per logical_event_id in a RocksDB table.
 
-Per batch, each touched step is read once, folded with all its events and its current rows published
-once; the fold is order-independent, so batching changes no result. Changed steps are written to the
+Per batch, each touched step is read once, folded with all its events, and the rows the change can alter are
+published once (a reward while the step still waits for a required source alters none; see
+_Touched.publishes_all); the fold is order-independent, so batching changes no result. Changed steps are written to the
 table (RocksDB + changelog) before the next offset commit, once however many batches changed them
 (processors/write_behind.py).
 
@@ -76,6 +77,26 @@ class _Touched:
     event: InputEvent  # any event of the step: all share its session's partition
     before: _Before
     changed: bool = False
+    reshaped: bool = False  # a dispatch or tool result was folded, or a window passed
+    repeated: bool = False  # an event was already folded: a replay, or a duplicate sent by the producer
+
+    def publishes_all(self, weave: Weave | None) -> bool:
+        return publishes_all(weave, self.before.folded, reshaped=self.reshaped, repeated=self.repeated)
+
+
+def publishes_all(weave: Weave | None, folded: set[str], *, reshaped: bool, repeated: bool) -> bool:
+    """Whether a change to a step publishes all its rows, or only its late-rewards rows.
+
+    `folded`: the event ids the change folded in; `reshaped`: a dispatch or tool result among them, or a window
+    passed; `repeated`: an event was already folded. A reward folded while the step still waits for a required
+    source changes only the pending Transition's revision and updated_at, and a reward after grace only adds its
+    late-rewards row: neither is worth a Transition. The next visible change publishes the higher revision (the
+    final rows always come: passing the last waiting window is a visible change). A repeated event republishes
+    everything, in case a crash lost the first publication (it may replay an input whose offset was not committed).
+    """
+    if repeated or reshaped or weave is None:
+        return True
+    return not weave.waiting and any(event_id in folded for event_id, _, _ in weave.on_time)
 
 
 class StepProcessor:
@@ -183,6 +204,9 @@ class StepProcessor:
                 entry.changed |= folded
                 if folded:
                     entry.before.folded.add(env["event_id"])
+                    entry.reshaped |= event.schema_name != REWARD
+                else:
+                    entry.repeated = True
                 if folded and event.schema_name == REWARD:
                     self._remember(event.record)
                 _observe_joins(entry.state, joined_before, joined_at, ctx)
@@ -194,7 +218,8 @@ class StepProcessor:
             self.watermarks.advance(partition)
         for key, entry in touched.items():
             state = entry.state
-            entry.changed |= self._settle(state, ctx)
+            if self._settle(state, ctx):
+                entry.changed = entry.reshaped = True
             if entry.changed:
                 self._changed(key, state, entry.event.source.partition)
                 await self._index_expiry(key, state, entry.event.source.partition, ctx)
@@ -202,8 +227,7 @@ class StepProcessor:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
             self._schedule(state, weave)
-            # Unchanged steps were touched by duplicates: re-emit, in case a crash lost the first emission.
-            await self._publish(state, entry.event.session_key, ctx, entry.before, weave)
+            await self._publish(state, entry.event.session_key, ctx, entry.before, weave, entry.publishes_all(weave))
         if self._unwritten.full():
             await self._write_out(ctx)
 
@@ -356,10 +380,20 @@ class StepProcessor:
     # --- output --------------------------------------------------------------------------------------------------
 
     async def _publish(
-        self, state: StepState, key: bytes, ctx: ProcessingContext, before: _Before, weave: Weave | None = None
+        self,
+        state: StepState,
+        key: bytes,
+        ctx: ProcessingContext,
+        before: _Before,
+        weave: Weave | None = None,
+        everything: bool = True,
     ) -> None:
-        """The step's current rows (late rewards and orphans included); counts rewards newly not woven."""
-        records = self.assembler.outputs(state, weave)
+        """The step's current rows, or only its late-rewards rows (see _Touched.publishes_all); orphans included.
+        Counts rewards newly not woven."""
+        if everything or weave is None:
+            records = self.assembler.outputs(state, weave)
+        else:
+            records = self.assembler.late_rows(state, weave)
         if state.dispatch is None:
             records += [(LATE, self.assembler.orphan(state, event_id)) for event_id in state.orphans]
         for schema_name, record in records:

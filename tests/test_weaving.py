@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from processors.reward_policy import PolicyBook, PolicyError, RewardPolicy, RewardSpec, parse_policy
 from processors.step_assembler import DISPATCH, LATE, REWARD, TRANSITION, WOVEN, StepAssembler, StepState
 from processors.step_expiry import DueStep, index_key
+from processors.step_processor import publishes_all
 from processors.watermarks import Watermarks
 from tests.factories import dispatch, reward
 
@@ -176,6 +177,46 @@ def test_final_rows_depend_on_the_set_of_events_not_on_order_or_watermark_timing
     rnd.shuffle(shuffled)
     passes = {rnd.randrange(len(events)): w for w in watermarks}
     assert final(events, {}) == final(shuffled, passes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_events(), st.randoms(use_true_random=False), st.lists(st.floats(0, 300), max_size=4))
+def test_rows_left_unpublished_differ_only_in_revision_and_the_last_published_are_final(
+    events: list[tuple[str, dict]], rnd: random.Random, watermarks: list[float]
+) -> None:
+    """The worker publishes a step's Transition and WovenReward only when publishes_all says so: what it skips
+    differs from the last published rows only in revision and updated_at, and the last published rows are the
+    final rows, in any arrival order (each event its own batch, windows passing in between)."""
+    order = list(events)
+    rnd.shuffle(order)
+    passes = {rnd.randrange(len(order)): w for w in watermarks}
+    a, state = assembler(), StepState("l-1")
+    published: dict[str, dict] = {}
+
+    def change(folded: set[str], *, reshaped: bool, repeated: bool) -> None:
+        weave = a.weave(state) if state.dispatch is not None else None
+        now = rows(a, state)
+        if publishes_all(weave, folded, reshaped=reshaped, repeated=repeated):
+            published.update({name: found[0] for name, found in now.items() if name != LATE and found})
+            return
+        assert now[WOVEN] == ([published[WOVEN]] if WOVEN in published else [])
+        skipped, last = now[TRANSITION][0], published[TRANSITION]
+        assert skipped["revision"] >= last["revision"]
+        assert {**skipped, "revision": 0, "updated_at": 0} == {**last, "revision": 0, "updated_at": 0}
+
+    for i, (name, record) in enumerate(order):
+        event_id = record["envelope"]["event_id"]
+        if a.fold(state, name, record):
+            change({event_id}, reshaped=name != REWARD, repeated=False)
+        else:
+            change(set(), reshaped=False, repeated=True)
+        if i in passes and a.pass_windows(state, T0 + int(passes[i] * S)):
+            change(set(), reshaped=True, repeated=False)
+    if a.pass_windows(state, T0 + 1000 * S):  # eventually the watermark passes every window
+        change(set(), reshaped=True, repeated=False)
+    final = rows(a, state)
+    assert published[TRANSITION] == final[TRANSITION][0]
+    assert published.get(WOVEN) == (final[WOVEN][0] if final[WOVEN] else None)
 
 
 # --- watermarks -------------------------------------------------------------------------------------------------
