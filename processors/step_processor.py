@@ -130,8 +130,10 @@ class StepProcessor:
         app.before_commit.append(self.write_out)  # type: ignore[attr-defined]  # a ResumingApp
         if settings.reward_policy is not None:
             self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
-        self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s)
-        policies = TopicCatalog(settings)["reward_policies"].name
+        catalog = TopicCatalog(settings)
+        topics = [spec.name for spec in catalog.inputs if spec.value_schema in self.inputs]
+        self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s, topics=topics)
+        policies = catalog["reward_policies"].name
         self.policy_topic = PolicyTopic(settings.kafka_bootstrap_servers, policies)
 
         @app.task

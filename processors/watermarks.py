@@ -8,6 +8,12 @@ processing time stops holding it back; when every topic is idle, the watermark a
 processing time (now - idle timeout), so open steps close even when nothing arrives.
 Watermarks never go back.
 
+A topic that has not delivered anything on the partition yet holds it back too, for `idle_timeout_s` from the
+moment the worker first sees the partition. Otherwise, after a (re)start with a backlog, the first fetch could
+hold only rewards, their event times alone would move the watermark past the orphan wait of rewards whose
+dispatches sit in the next fetch, and those would be reported as orphans (seen in the kill -9 test whenever the
+restarted worker's first fetch returned the rewards topic alone).
+
 The *event watermark* is the same without the processing-time advance: how far input events alone carry the
 partition (with every topic idle, the newest event time seen minus the lag).
 Step expiry goes by it, so a silent partition never deletes state on processing time alone (a replay of old
@@ -17,7 +23,7 @@ events, paused for a moment, would otherwise lose its open steps).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -29,6 +35,7 @@ class _TopicClock:
 
 @dataclass
 class _PartitionClock:
+    started_s: float  # processing time the worker first saw the partition
     topics: dict[str, _TopicClock] = field(default_factory=dict)
     watermark_us: int | None = None
     event_watermark_us: int | None = None  # from events only, no idle advance
@@ -40,14 +47,22 @@ class Watermarks:
         out_of_orderness_s: float,
         idle_timeout_s: float,
         clock: Callable[[], float] = time.time,
+        topics: Iterable[str] = (),
     ) -> None:
         self.out_of_orderness_us = int(out_of_orderness_s * 1_000_000)
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
+        self.topics = frozenset(topics)  # the input topics every partition expects (see the module docstring)
         self._partitions: dict[int, _PartitionClock] = {}
 
+    def _partition(self, partition: int) -> _PartitionClock:
+        clock = self._partitions.get(partition)
+        if clock is None:
+            clock = self._partitions[partition] = _PartitionClock(self.clock())
+        return clock
+
     def observe(self, partition: int, topic: str, event_time_us: int) -> None:
-        clock = self._partitions.setdefault(partition, _PartitionClock())
+        clock = self._partition(partition)
         now = self.clock()
         seen = clock.topics.get(topic)
         if seen is None:
@@ -58,8 +73,10 @@ class Watermarks:
 
     def advance(self, partition: int) -> int | None:
         """Recompute and return the partition's watermark (None until it has seen an event or idled)."""
-        clock = self._partitions.setdefault(partition, _PartitionClock())
+        clock = self._partition(partition)
         now = self.clock()
+        if now - clock.started_s < self.idle_timeout_s and not self.topics <= clock.topics.keys():
+            return clock.watermark_us  # a topic has not delivered yet and is not idle either: it holds everything
         active = [t for t in clock.topics.values() if now - t.last_seen_s < self.idle_timeout_s]
         if clock.topics:
             # every topic idle: none holds the events' progress back, the newest event time carries it

@@ -252,6 +252,21 @@ def test_the_slowest_topic_holds_the_watermark_until_it_idles_then_processing_ti
     assert marks.event_watermark(0) == 198 * S
 
 
+def test_a_topic_that_has_not_delivered_yet_holds_the_watermark_until_it_idles() -> None:
+    """After a (re)start, rewards fetched before their dispatches must not move the watermark on their own."""
+    clock = Clock()
+    marks = Watermarks(out_of_orderness_s=1, idle_timeout_s=10, clock=clock, topics=["actions", "rewards"])
+    marks.observe(0, "rewards", 500 * S)
+    assert marks.advance(0) is None  # actions has not delivered on partition 0, and is not idle yet
+    clock.now += 5
+    marks.observe(0, "actions", 100 * S)
+    assert marks.advance(0) == 99 * S  # now the slowest topic holds it, as always
+    marks.observe(1, "rewards", 700 * S)
+    clock.now += 10  # partition 1's actions stayed silent for the idle timeout: it no longer holds anything
+    marks.observe(1, "rewards", 700 * S)
+    assert marks.advance(1) == 699 * S
+
+
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 10**9), st.floats(0, 30)), max_size=40))
 def test_watermarks_never_go_back(observations: list[tuple[str, int, float]]) -> None:
     clock = Clock()
