@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="py-spy the worker (raw format) into this file; the latency run into <name>-latency<suffix> and its sink "
         "child into <name>-sink<suffix>",
     )
+    parser.add_argument(
+        "--trace-memory",
+        type=Path,
+        help="soak: run the worker under tracemalloc (bench/traced_worker.py) and write its heap growth to this file",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary TREADLE_HOME (logs, data)")
     args = parser.parse_args(argv)
     if args.quick:

@@ -196,8 +196,8 @@ def _table(title: str, columns: list[str]) -> Table:
 
 # --- soak --------------------------------------------------------------------------------------------------------
 
-# seconds, worker MB, sink MB, open_steps, expired steps, events sent
-Sample = tuple[float, float | None, float | None, float | None, float | None, int]
+# seconds, worker MB, sink MB, open_steps, expired steps, events sent, worker's RocksDB cache MB (all it charges)
+Sample = tuple[float, float | None, float | None, float | None, float | None, int, float | None]
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -256,12 +256,12 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
 def soak_table(
     console: Console, pin_words: str, args: argparse.Namespace, samples: list[Sample], run: PacedRun, notes: list[str]
 ) -> None:
-    columns = ["at min", "worker RSS MB", "sink RSS MB", "open_steps", "expired steps", "events sent"]
+    columns = ["at min", "worker RSS MB", "RocksDB MB", "sink RSS MB", "open_steps", "expired steps", "events sent"]
     table = _table("weaving: soak", columns)
     marks = [0.0, 1.0, 2.0, 5.0, 10.0, samples[-1][0] / 60 if samples else 0.0]
     shown = sorted({min(range(len(samples)), key=lambda i: abs(samples[i][0] / 60 - m)) for m in marks})
     for rank, i in enumerate(shown):
-        at, worker, sink, gauge, expired, sent = samples[i]
+        at, worker, sink, gauge, expired, sent, tables = samples[i]
         first = rank == 0
         table.add_row(
             "before the load (baseline)" if first else "",
@@ -271,6 +271,7 @@ def soak_table(
             else "",
             f"{at / 60:.1f}",
             _mb(worker),
+            _mb(tables),
             _mb(sink),
             "n/a" if gauge is None else f"{gauge:,.0f}",
             "n/a" if expired is None else f"{expired:,.0f}",
@@ -280,11 +281,14 @@ def soak_table(
     half = [s for s in samples if s[0] >= samples[-1][0] / 2] if samples else []
     worker_slope = slope_mb_per_min([(s[0], s[1]) for s in half if s[1] is not None])
     sink_slope = slope_mb_per_min([(s[0], s[2]) for s in half if s[2] is not None])
+    tables_slope = slope_mb_per_min([(s[0], s[6]) for s in half if s[6] is not None])
+    rest_slope = slope_mb_per_min([(s[0], s[1] - s[6]) for s in half if s[1] is not None and s[6] is not None])
     table.add_row(
         "slope, second half",
         "least squares over the samples of the second half",
         "",
         f"{worker_slope:+.2f}/min",
+        f"{tables_slope:+.2f}/min",
         f"{sink_slope:+.2f}/min",
         "",
         "",
@@ -292,11 +296,13 @@ def soak_table(
         "\n".join(
             [
                 f"achieved {run.rate:,.0f} input events/s; worst send {run.behind_s * 1000:.0f} ms behind schedule",
+                f"worker RSS minus its RocksDB memory, second half: {rest_slope:+.2f} MB/min (RocksDB: the shared "
+                "cache, memtables charged to it, bounded by TREADLE_TABLE_MEMORY_MB; treadle_rocksdb_memory_bytes)",
                 "open_steps, expired steps: the worker's treadle_open_steps gauge and treadle_expired_steps_total "
                 "(n/a: /metrics did not answer within 5 s, or a worker without it); open_steps: steps waiting for a "
                 "required window",
-                "all samples (min: worker/sink MB): "
-                + ", ".join(f"{s[0] / 60:.1f}: {_mb(s[1])}/{_mb(s[2])}" for s in samples),
+                "all samples (min: worker/RocksDB/sink MB): "
+                + ", ".join(f"{s[0] / 60:.1f}: {_mb(s[1])}/{_mb(s[6])}/{_mb(s[2])}" for s in samples),
                 *notes,
             ]
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,7 +242,11 @@ def soak(ctx: Context) -> bool:
     """Paced live load for --soak-minutes; RSS of the worker and of its sink child every 10 s."""
     args = ctx.args
     settings = ctx.settings("soak", idle_timeout_s=5.0)
-    worker = _start_worker(ctx, settings, {"TREADLE_STEP_RETENTION_S": STEP_RETENTION_S})
+    env, argv = {"TREADLE_STEP_RETENTION_S": STEP_RETENTION_S}, None
+    if args.trace_memory is not None:
+        env["TREADLE_TRACE_OUT"] = str(args.trace_memory.resolve())
+        argv = [sys.executable, "-m", "bench.traced_worker"]
+    worker = _start_worker(ctx, settings, env, argv)
     load_before = loadavg()
     try:
         endpoint = SqlEndpoint.read(settings)
@@ -272,6 +277,7 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
                     metric(page, "treadle_open_steps "),
                     metric(page, "treadle_expired_steps_total "),
                     sent,
+                    _mb(metric(page, 'treadle_rocksdb_memory_bytes{kind="cache"}')),
                 )
             )
             if stop.is_set():
@@ -297,11 +303,11 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
 # --- helpers -----------------------------------------------------------------------------------------------------
 
 
-def _start_worker(ctx: Context, settings: Settings, env: dict[str, str]) -> BenchWorker:
+def _start_worker(ctx: Context, settings: Settings, env: dict[str, str], argv: list[str] | None = None) -> BenchWorker:
     from streams.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
-    worker = BenchWorker(settings, ctx.pin, env=env).start()
+    worker = BenchWorker(settings, ctx.pin, argv=argv, env=env).start()
     try:
         ready = worker.wait_ready(120)
     except Exception:
@@ -309,6 +315,10 @@ def _start_worker(ctx: Context, settings: Settings, env: dict[str, str]) -> Benc
         raise
     ctx.console.print(f"[dim]worker pid {worker.pid} ready after {ready:.1f}s; log {worker.log_path}[/]")
     return worker
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else value / 2**20
 
 
 def _cpu(pid: int | None) -> float | None:

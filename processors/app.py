@@ -18,6 +18,7 @@ from typing import Any
 import faust
 from faust.streams import _current_event
 
+from processors import table_writes
 from processors.base import EventProcessor, InputEvent
 from processors.faust_transport import ResumingApp
 from processors.intake import Accepted, Intake, SourceMessage
@@ -201,6 +202,7 @@ def build_pipeline(
         processors=processors,
         outputs=outputs,
     )
+    pipeline.metrics.rocksdb_memory.watch(lambda: table_writes.memory_report(app))
     for processor in processors:
         attach = getattr(processor, "attach", None)  # optional: processors with timers need the context
         if attach is not None:

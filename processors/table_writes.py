@@ -15,20 +15,31 @@ from typing import Any
 import faust
 
 from processors.base import InputEvent, ProcessingContext
+from processors.rocksdb_memory import MIB, RocksDBMemory
 from streams.settings import Settings
-
-MIB = 1024 * 1024
 
 
 def bytes_table(app: faust.App, name: str, settings: Settings, help: str) -> Any:
-    """A Faust table of raw bytes, co-partitioned with the input, with bounded RocksDB memory.
+    """A Faust table of raw bytes, co-partitioned with the input, in the worker's RocksDB memory budget.
 
-    Without key/value types Faust would pick JSON; without options each partition's RocksDB may take a 2 GiB
-    block cache and 3 x 64 MiB write buffers, so a worker's RSS would grow with its tables for a long time.
+    Without key/value types Faust would pick JSON; without shared options each partition's RocksDB may take a
+    2 GiB block cache and 3 x 64 MiB write buffers, so a worker's RSS would grow with its tables for a long time
+    (processors/rocksdb_memory.py).
     """
-    memory = settings.table_memory_mb * MIB  # half block cache, half two write buffers
-    options = {"block_cache_size": memory // 2, "write_buffer_size": memory // 4, "max_write_buffer_number": 2}
-    return app.Table(name, partitions=settings.partitions, key_type=bytes, value_type=bytes, help=help, options=options)
+    table = app.Table(name, partitions=settings.partitions, key_type=bytes, value_type=bytes, help=help)
+    store = table.data
+    if getattr(store, "use_rocksdict", False):  # a rocksdb:// store (tests may run memory://)
+        store.rocksdb_options = rocksdb_memory(app, settings).options()
+    return table
+
+
+def rocksdb_memory(app: faust.App, settings: Settings) -> RocksDBMemory:
+    """The worker's one RocksDB budget (TREADLE_TABLE_MEMORY_MB), kept on its app: every table draws on it."""
+    memory: RocksDBMemory | None = getattr(app, "rocksdb_memory", None)
+    if memory is None:
+        memory = RocksDBMemory(settings.table_memory_mb * MIB)
+        app.rocksdb_memory = memory  # type: ignore[attr-defined]
+    return memory
 
 
 def get_in_partition(table: Any, key: bytes, partition: int) -> bytes | None:
@@ -45,6 +56,19 @@ def keys_in_order(table: Any, partition: int) -> Iterator[bytes]:
     for key in db.keys():  # noqa: SIM118 (an Rdict has no __iter__)
         if key != store.offset_key:
             yield key
+
+
+def memory_report(app: faust.App) -> dict[str, int]:
+    """Bytes of the worker's RocksDB budget in use (cache: everything charged to it), of its memtables, and its
+    limit; empty before the first table exists."""
+    memory: RocksDBMemory | None = getattr(app, "rocksdb_memory", None)
+    if memory is None:
+        return {}
+    memtables = 0
+    for table in list(app.tables.values()):
+        for db in list(getattr(table.data, "_dbs", {}).values()):
+            memtables += db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+    return {"cache": memory.usage_bytes(), "memtables": memtables, "limit": memory.total_bytes}
 
 
 def _db(table: Any, partition: int) -> Any:

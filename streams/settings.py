@@ -179,10 +179,11 @@ class Settings(BaseModel):
         "after its last reward deadline; a reward arriving later for it is reported as an orphan.",
     )
     table_memory_mb: int = Field(
-        default=32,
+        default=64,
         ge=4,
-        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory per table partition, half block cache, half write "
-        "buffers (a worker has one per table and input partition it owns); Faust's own default is about 2.2 GB.",
+        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory of the worker, all tables and partitions together: one "
+        "shared block cache that the memtables (up to half of it) are charged to; Faust's own default is about "
+        "2.2 GB per table partition.",
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -7,8 +7,12 @@ import random
 from collections import Counter
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
 
-from streams.metrics import METRIC_FAMILIES, GpuMetrics, SinkMetrics, WorkerMetrics
+from streams.metrics import JOIN_LATENCY_BUCKETS, METRIC_FAMILIES, GpuMetrics, SinkMetrics, WorkerMetrics
 from streams.settings import Settings
 from tests.factories import KIND_OF, RawProducer, scrape, total, wait_for
 from tests.test_pipeline import REWARD, complete, make_workload, produce
@@ -78,6 +82,9 @@ def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
     watermark_lags = [v for (n, _), v in samples.items() if n == "treadle_watermark_lag_seconds"]
     assert watermark_lags and all(lag > 0 for lag in watermark_lags)  # the workload's event times are in 2025
     assert total(samples, "treadle_open_steps") == 0  # the default policy requires no source
+    rocksdb = {dict(ls)["kind"]: v for (n, ls), v in samples.items() if n == "treadle_rocksdb_memory_bytes"}
+    assert rocksdb["limit"] == deployment.table_memory_mb * 2**20
+    assert 0 < rocksdb["memtables"] <= rocksdb["cache"] <= rocksdb["limit"]  # the steps written, charged to the cache
     assert total(samples, "treadle_sink_batch_rows_count", table="transitions") >= 1
     assert total(samples, "treadle_sink_batch_seconds_count", table="transitions") >= 1
 
@@ -95,3 +102,19 @@ def test_registries_are_separate_and_families_match_the_catalogue() -> None:
             suffix = "_total" if family.type == "counter" else ""
             names.add(family.name + suffix)
     assert names == set(METRIC_FAMILIES)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), max_size=50))
+def test_the_lock_free_join_histogram_exposes_what_prometheus_clients_histogram_would(values: list[float]) -> None:
+    registry = CollectorRegistry()
+    reference = Histogram("treadle_reward_join_latency_seconds", "x", buckets=JOIN_LATENCY_BUCKETS, registry=registry)
+    metrics = WorkerMetrics()
+    for value in values:
+        reference.observe(value)
+        metrics.reward_join_latency.observe(value)
+
+    def samples(page: bytes) -> list[str]:
+        name = "treadle_reward_join_latency_seconds_"
+        return [line for line in page.decode().splitlines() if line.startswith(name) and "_created" not in line]
+
+    assert samples(metrics.exposition()) == samples(generate_latest(registry))
