@@ -48,7 +48,13 @@ class _SharedMemoryOptions(RocksDBOptions):
         self.memory = memory
 
     def as_options(self) -> Any:
-        options = super().as_options()
+        """Faust's options for the rocksdict driver, with the shared cache and write buffer manager."""
+        options = rocksdict.Options(raw_mode=True)
+        options.create_if_missing(True)
+        options.set_max_open_files(self.max_open_files)
+        options.set_write_buffer_size(self.write_buffer_size)
+        options.set_target_file_size_base(self.target_file_size_base)
+        options.set_max_write_buffer_number(self.max_write_buffer_number)
         table = rocksdict.BlockBasedOptions()
         table.set_bloom_filter(self.bloom_filter_size, True)
         table.set_block_cache(self.memory.cache)
