@@ -4,7 +4,7 @@ Faust opens one RocksDB per table partition, each with a block cache and memtabl
 memory grew with its partitions and tables, and kept growing for many minutes while every cache filled: in the
 weaving soak RocksDB held 100-120 MB after 10 minutes of a 256 MB bound, still rising by ~2.5 MB/min, most of the
 worker's RSS growth. Here every database shares one LRU block cache, and a write buffer manager charges their
-memtables to that same cache (index and filter blocks live in it too), so RocksDB stays near TREADLE_TABLE_MEMORY_MB
+memtables to that same cache, so RocksDB stays near TREADLE_TABLE_MEMORY_MB
 whatever the number of partitions, and reaches it early. See Kafka Streams' "RocksDB: bounded memory usage"
 (docs/streams/developer-guide/memory-mgmt) and RocksDB's wiki page "Write Buffer Manager".
 """
@@ -35,7 +35,7 @@ class RocksDBMemory:
         return _SharedMemoryOptions(self)
 
     def usage_bytes(self) -> int:
-        """What the cache holds now: data, index and filter blocks, and the memtables charged to it."""
+        """What the cache holds now: data blocks, and the memtables charged to it."""
         return self.cache.get_usage()
 
 
@@ -58,8 +58,10 @@ class _SharedMemoryOptions(RocksDBOptions):
         table = rocksdict.BlockBasedOptions()
         table.set_bloom_filter(self.bloom_filter_size, True)
         table.set_block_cache(self.memory.cache)
-        table.set_cache_index_and_filter_blocks(True)
-        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+        # Index and filter blocks stay with the table readers (a few hundred KB per worker, as the per-partition
+        # caches had them): in a small shared cache they would be evicted, and every lookup of a new step (a
+        # miss, answered by the bloom filter) would read and parse them again.
+        table.set_cache_index_and_filter_blocks(False)
         table.set_index_type(rocksdict.BlockBasedIndexType.binary_search())
         options.set_block_based_table_factory(table)
         options.set_write_buffer_manager(self.memory.write_buffers)

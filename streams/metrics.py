@@ -106,7 +106,7 @@ class RocksDBMemoryGauge(Collector):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "treadle_rocksdb_memory_bytes",
-            "RocksDB memory of the worker's tables: cache (blocks, index, filters and the memtables charged to "
+            "RocksDB memory of the worker's tables: cache (data blocks and the memtables charged to "
             "it), memtables, limit (TREADLE_TABLE_MEMORY_MB).",
             labels=["kind"],
         )
