@@ -277,7 +277,7 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
                     metric(page, "treadle_open_steps "),
                     metric(page, "treadle_expired_steps_total "),
                     sent,
-                    _mb(metric(page, 'treadle_rocksdb_memory_bytes{kind="cache"}')),
+                    _bytes_in_mb(metric(page, 'treadle_rocksdb_memory_bytes{kind="cache"}')),
                 )
             )
             if stop.is_set():
@@ -317,7 +317,7 @@ def _start_worker(ctx: Context, settings: Settings, env: dict[str, str], argv: l
     return worker
 
 
-def _mb(value: float | None) -> float | None:
+def _bytes_in_mb(value: float | None) -> float | None:
     return None if value is None else value / 2**20
 
 

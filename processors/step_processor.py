@@ -1,9 +1,9 @@
 """The step assembler as a Faust processor: StepState per logical_event_id in a RocksDB table.
 
 Per batch, each touched step is read once, folded with all its events, and the rows the change can alter are
-published once (a reward while the step still waits for a required source alters none; see
-_Touched.publishes_all); the fold is order-independent, so batching changes no result. Changed steps are written to the
-table (RocksDB + changelog) before the next offset commit, once however many batches changed them
+published once (a reward while the step still waits for a required source alters none: see publishes_all);
+the fold is order-independent, so batching changes no result. Changed steps are written to the table
+(RocksDB + changelog) before the next offset commit, once however many batches changed them
 (processors/write_behind.py).
 
 Event time: every input event advances its partition's watermark (processors/watermarks.py). A step
@@ -79,9 +79,6 @@ class _Touched:
     changed: bool = False
     reshaped: bool = False  # a dispatch or tool result was folded, or a window passed
     repeated: bool = False  # an event was already folded: a replay, or a duplicate sent by the producer
-
-    def publishes_all(self, weave: Weave | None) -> bool:
-        return publishes_all(weave, self.before.folded, reshaped=self.reshaped, repeated=self.repeated)
 
 
 def publishes_all(weave: Weave | None, folded: set[str], *, reshaped: bool, repeated: bool) -> bool:
@@ -229,7 +226,8 @@ class StepProcessor:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
             self._schedule(state, weave)
-            await self._publish(state, entry.event.session_key, ctx, entry.before, weave, entry.publishes_all(weave))
+            everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=entry.repeated)
+            await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         if self._unwritten.full():
             await self._write_out(ctx)
 
@@ -390,7 +388,7 @@ class StepProcessor:
         weave: Weave | None = None,
         everything: bool = True,
     ) -> None:
-        """The step's current rows, or only its late-rewards rows (see _Touched.publishes_all); orphans included.
+        """The step's current rows, or only its late-rewards rows (see publishes_all); orphans included.
         Counts rewards newly not woven."""
         if everything or weave is None:
             records = self.assembler.outputs(state, weave)
