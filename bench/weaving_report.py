@@ -236,6 +236,17 @@ def sink_inserts(text: str) -> str:
     )
 
 
+def gc_time(text: str) -> str:
+    """What CPython's cycle collector took from the worker and the sink (treadle_*gc_seconds_total), in words."""
+    parts = []
+    for who, family in (("worker", "treadle_gc_seconds_total"), ("sink", "treadle_sink_gc_seconds_total")):
+        seconds = metric(text, family + "{")
+        if seconds is not None:
+            full = metric(text, family + '{generation="2"}') or 0.0
+            parts.append(f"{who} {seconds:.1f}s ({full:.1f}s in full collections)")
+    return "garbage collection: " + (", ".join(parts) if parts else "no metrics")
+
+
 def metric(text: str, prefix: str) -> float | None:
     """Sum of the samples on a /metrics page whose line starts with `prefix` (a name, the start of its labels)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]

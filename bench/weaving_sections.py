@@ -17,6 +17,7 @@ from bench.common import WORKER_CORE, Measurement, cpu_seconds, loadavg
 from bench.paced import CompletePoller, Observed, PacedRun, Published, Receipts, send_paced
 from bench.weaving_report import (
     check_in_clickhouse,
+    gc_time,
     latency_table,
     metric,
     render_throughput,
@@ -187,7 +188,8 @@ def latency(ctx: Context) -> bool:
         load_after = loadavg()
         check = check_in_clickhouse(settings, seen.expectation, timeout=120.0)
         cpu_all = _diff(cpu_before, cpu_seconds(worker.pid))
-        inserts = sink_inserts(scrape(settings.web_port))
+        page = scrape(settings.web_port)
+        inserts, gc_pauses = sink_inserts(page), gc_time(page)
     finally:
         for spy in spies:
             if spy is not None and spy.poll() is None:
@@ -201,6 +203,7 @@ def latency(ctx: Context) -> bool:
         f"sink child CPU while the load ran: {sink_load or 0:.1f}s = {100 * (sink_load or 0) / max(load_s, 1e-9):.0f}% "
         "of a core (it runs off the worker's core)",
         inserts,
+        gc_pauses,
         f"loadavg before {load_before}, after the load {load_after}",
     ]
     latency_table(ctx.console, ctx.pin_words, args, seen, check, notes)

@@ -9,13 +9,15 @@ Label values are bounded: topics, schema names, stages, sources and partitions, 
 
 from __future__ import annotations
 
+import gc
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -29,9 +31,11 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_expired_steps_total": "counter",
     "treadle_watermark_lag_seconds": "gauge",
     "treadle_rocksdb_memory_bytes": "gauge",
+    "treadle_gc_seconds_total": "counter",
     "treadle_reward_join_latency_seconds": "histogram",
     "treadle_sink_batch_rows": "histogram",
     "treadle_sink_batch_seconds": "histogram",
+    "treadle_sink_gc_seconds_total": "counter",
     "treadle_consumer_lag": "gauge",
     "treadle_producer_errors_total": "counter",
     "treadle_gpu_utilization_ratio": "gauge",
@@ -115,6 +119,36 @@ class RocksDBMemoryGauge(Collector):
         yield family
 
 
+class CollectorPauses(Collector):
+    """<name>: seconds this process spent in CPython's cycle collector, by generation.
+
+    Counted only once `watch()` hooks gc.callbacks (in the worker's and the sink's own process); its rate is
+    the share of a core the collector takes, the number to look at when tuning TREADLE_GC_THRESHOLDS.
+    """
+
+    def __init__(self, name: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started = 0.0
+        registry.register(self)
+
+    def watch(self) -> None:
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+
+    def collect(self) -> Iterator[Metric]:
+        documentation = "Seconds in CPython's cycle collector, by generation (2: full collections)."
+        family = CounterMetricFamily(self.name, documentation, labels=["generation"])
+        for generation, seconds in enumerate(self.seconds):
+            family.add_metric([str(generation)], seconds)
+        yield family
+
+
 @dataclass
 class WorkerMetrics:
     """What the Faust worker counts: events in and out, dead letters, reward joins, lag."""
@@ -164,6 +198,7 @@ class WorkerMetrics:
             "treadle_producer_errors", "Records the producer could not deliver, by topic.", ["topic"], registry=r
         )
         self.rocksdb_memory = RocksDBMemoryGauge(r)
+        self.gc_pauses = CollectorPauses("treadle_gc_seconds", r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -186,6 +221,7 @@ class SinkMetrics:
             buckets=BATCH_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
         self.consumer_lag = _consumer_lag(r)
+        self.gc_pauses = CollectorPauses("treadle_sink_gc_seconds", r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

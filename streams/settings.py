@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _ENV_NAMES = {
@@ -18,6 +18,7 @@ _ENV_NAMES = {
     "clickhouse_url": "CLICKHOUSE_URL",
     "redis_url": "REDIS_URL",
 }
+_LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environment
 
 
 class Settings(BaseModel):
@@ -185,6 +186,12 @@ class Settings(BaseModel):
         "shared block cache that the memtables (up to half of it) are charged to; Faust's own default is about "
         "2.2 GB per table partition.",
     )
+    gc_thresholds: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
+        default=(700, 10, 100),
+        description="TREADLE_GC_THRESHOLDS: gc.set_threshold of the worker and sink processes, comma-separated; "
+        "the third is 10x CPython's, since full collections walk every parsed step and free next to nothing "
+        "(streams/garbage_collection.py).",
+    )
     tool_schemas: Path | None = Field(
         default=None,
         description="TREADLE_TOOL_SCHEMAS: JSON file {tool: JSON Schema} checked at the processor boundary.",
@@ -215,7 +222,7 @@ class Settings(BaseModel):
         env = {}
         for field, value in self.model_dump().items():
             if isinstance(value, tuple):
-                value = ",".join(value)
+                value = ",".join(map(str, value))
             if value is not None:
                 env[_ENV_NAMES.get(field, f"TREADLE_{field.upper()}")] = str(
                     int(value) if isinstance(value, bool) else value
@@ -229,6 +236,6 @@ class Settings(BaseModel):
         for field in cls.model_fields:
             var = _ENV_NAMES.get(field, f"TREADLE_{field.upper()}")
             if env.get(var):
-                values[field] = tuple(env[var].split(",")) if field == "processors" else env[var]
+                values[field] = tuple(env[var].split(",")) if field in _LIST_FIELDS else env[var]
         values.update(overrides)
         return cls(**values)

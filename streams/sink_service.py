@@ -24,6 +24,7 @@ from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.consumer import SinkConsumer
 from sinks.migrations import apply_migrations
 from sinks.sql_guard import ReadOnlyQueryError
+from streams.garbage_collection import freeze_startup_objects, tune_collector
 from streams.local.process import pid_alive
 from streams.run_info import SqlEndpoint
 from streams.settings import Settings
@@ -104,11 +105,13 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     store = await asyncio.to_thread(open_store, settings)
     await asyncio.to_thread(apply_migrations, store)
     consumer = SinkConsumer(settings, catalog, codec, intake, store)
+    consumer.metrics.gc_pauses.watch()
     runner = web.AppRunner(sql_app(store, consumer), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.sql_port).start()
     SqlEndpoint(pid=os.getpid(), port=settings.sql_port).write(settings)
     log.info("SQL and /metrics on %s:%d; sinking to %s", settings.bind_host, settings.sql_port, store.database)
+    freeze_startup_objects()
     sink = asyncio.create_task(consumer.run())
     try:
         while not sink.done():
@@ -128,5 +131,6 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
 
 def run_sink(settings: Settings, parent_pid: int | None = None) -> None:
     settings.worker_dir.mkdir(parents=True, exist_ok=True)
+    tune_collector(settings.gc_thresholds)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings, parent_pid))

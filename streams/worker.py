@@ -17,6 +17,7 @@ import time
 import faust
 
 from processors.app import Pipeline, build_pipeline
+from streams.garbage_collection import freeze_startup_objects, tune_collector
 from streams.gpu import RESOURCE_SAMPLE, GpuTelemetry
 from streams.metrics_page import add_metrics_page
 from streams.run_info import SqlEndpoint, WorkerInfo
@@ -118,7 +119,9 @@ class SinkChild:
 def run_worker(settings: Settings, loglevel: str = "info") -> None:
     """Run until SIGTERM/SIGINT; exits the process like any Faust worker."""
     settings.worker_dir.mkdir(parents=True, exist_ok=True)
+    tune_collector(settings.gc_thresholds)
     pipeline = build_worker(settings)
+    pipeline.metrics.gc_pauses.watch()
     sink = SinkChild(settings) if settings.sink == "child" else None
     worker = TreadleWorker(pipeline.app, settings, sink, loglevel=loglevel, quiet=True)
     try:
@@ -142,6 +145,7 @@ class TreadleWorker(faust.Worker):
         # The schema and policy readers assign a consumer every few seconds; aiokafka logs each assignment.
         logging.getLogger("aiokafka.consumer.subscription_state").setLevel(logging.WARNING)
         await super().on_startup_finished()
+        freeze_startup_objects()
         if self.sink is not None:
             await self.sink.wait_ready()
         s = self.treadle_settings

@@ -87,6 +87,8 @@ def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
     assert 0 < rocksdb["memtables"] <= rocksdb["cache"] <= rocksdb["limit"]  # the steps written, charged to the cache
     assert total(samples, "treadle_sink_batch_rows_count", table="transitions") >= 1
     assert total(samples, "treadle_sink_batch_seconds_count", table="transitions") >= 1
+    for family in ("treadle_gc_seconds_total", "treadle_sink_gc_seconds_total"):  # each watched in its own process
+        assert total(samples, family, generation="0") > 0, family
 
 
 def test_registries_are_separate_and_families_match_the_catalogue() -> None:
