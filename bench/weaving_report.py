@@ -230,9 +230,15 @@ def sink_inserts(text: str) -> str:
     rows = metric(text, "treadle_sink_batch_rows_sum{")
     if not inserts or seconds is None:
         return "sink inserts: no metrics"
+    by_table = sorted(
+        ((line.split('table="', 1)[1].split('"', 1)[0], float(line.rsplit(" ", 1)[1]))
+         for line in text.splitlines() if line.startswith("treadle_sink_batch_rows_sum{")),
+        key=lambda item: -item[1],
+    )  # fmt: skip
     return (
         f"sink inserts: {seconds:.1f}s in {inserts:,.0f} inserts of {rows or 0:,.0f} rows (mean "
-        f"{1000 * seconds / inserts:.0f} ms each, ~{seconds / (flushes or 1):.2f}s per flush of every table)"
+        f"{1000 * seconds / inserts:.0f} ms each, ~{seconds / (flushes or 1):.2f}s per flush of every table); "
+        + ", ".join(f"{table} {n:,.0f}" for table, n in by_table)
     )
 
 
