@@ -37,6 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from sinks.sql_guard import ReadOnlyQueryError
     from streams.eval_report import ReportError
     from streams.local.process import StackError
+    from streams.settings import InvalidSettingError
     from streams.sql_client import QueryFailedError
     from topics.admin import TopicMismatchError
     from topics.registry import IncompatibleSchemaError
@@ -55,6 +56,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         PluginError,
         PolicyError,
         ReportError,
+        InvalidSettingError,
     )
 
 

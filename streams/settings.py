@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _ENV_NAMES = {
@@ -19,6 +19,10 @@ _ENV_NAMES = {
     "redis_url": "REDIS_URL",
 }
 _LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environment
+
+
+class InvalidSettingError(ValueError):
+    """An environment variable treadle cannot use; the message names it, its value and why, in one line."""
 
 
 class Settings(BaseModel):
@@ -238,4 +242,18 @@ class Settings(BaseModel):
             if env.get(var):
                 values[field] = tuple(env[var].split(",")) if field in _LIST_FIELDS else env[var]
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise InvalidSettingError(_explain(exc, env)) from None
+
+
+def _explain(exc: ValidationError, env: dict[str, str]) -> str:
+    """The first problem of a ValidationError as `VAR='value': why` (item N of a comma-separated list)."""
+    problems = exc.errors()
+    first = problems[0]
+    field, *inner = first["loc"]
+    var = _ENV_NAMES.get(str(field), f"TREADLE_{str(field).upper()}")
+    items = "".join(f" (item {i + 1})" for i in inner if isinstance(i, int))
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{var}={env.get(var, '')!r}{items}: {first['msg']}{more}"

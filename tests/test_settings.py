@@ -3,13 +3,47 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
-from streams.settings import REPO_ROOT, Settings
+import pytest
+
+from streams.settings import REPO_ROOT, InvalidSettingError, Settings
 
 
 def test_every_setting_round_trips_through_the_environment(tmp_path) -> None:
-    settings = Settings(home=tmp_path, partitions=7, processors=("steps", "state"), sink="off", redis_url="redis://x")
+    settings = Settings(
+        home=tmp_path, partitions=7, processors=("steps", "state"), sink="off", redis_url="redis://x",
+        gc_thresholds=(1000, 20, 50),
+    )  # fmt: skip
     assert Settings.from_env(settings.to_env()) == settings
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"TREADLE_PARTITIONS": "x"}, "TREADLE_PARTITIONS='x': Input should be a valid integer"),
+        ({"TREADLE_GC_THRESHOLDS": "700,10"}, "TREADLE_GC_THRESHOLDS='700,10' (item 3): Field required"),
+        ({"TREADLE_GC_THRESHOLDS": "700,-1,10"}, "TREADLE_GC_THRESHOLDS='700,-1,10' (item 2): Input should be greater"),
+        ({"TREADLE_SINK": "maybe", "TREADLE_CREDIT_GAMMA": "2"}, "TREADLE_SINK='maybe': Input should be 'child' or"),
+    ],
+)
+def test_an_unusable_variable_is_named_with_its_value_and_why(env: dict[str, str], says: str) -> None:
+    with pytest.raises(InvalidSettingError) as raised:
+        Settings.from_env(env)
+    assert str(raised.value).startswith(says)
+    assert ("(and 1 more)" in str(raised.value)) == (len(env) > 1)
+
+
+def test_the_cli_prints_one_line_for_an_unusable_variable() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "streams.cli", "processors"],
+        cwd=REPO_ROOT, env={"PATH": "/usr/bin:/bin", "TREADLE_PARTITIONS": "four"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: TREADLE_PARTITIONS='four': Input should be a valid integer, unable to parse string as an integer"
+    ]
 
 
 def test_every_environment_variable_is_in_the_readme() -> None:
