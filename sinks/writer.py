@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from operator import itemgetter
 from typing import Any
 
 from sinks.clickhouse import ClickHouseStore
@@ -22,29 +21,24 @@ from streams.metrics import SinkMetrics
 
 
 class _TableBatch:
-    """Buffered rows of one table, each as a tuple in column order; turned into columns once, when inserted."""
+    """Buffered rows of one table, held as one list per column."""
 
-    __slots__ = ("_row_of", "names", "tuples")
+    __slots__ = ("columns", "names", "rows")
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
-        # one C call per row, not a Python loop over its columns (itemgetter of one name gives no tuple)
-        self._row_of = itemgetter(*names) if len(names) > 1 else lambda row: (row[names[0]],)
-        self.tuples: list[tuple[Any, ...]] = []
-
-    @property
-    def rows(self) -> int:
-        return len(self.tuples)
+        self.columns: list[list[Any]] = [[] for _ in names]
+        self.rows = 0
 
     def append(self, row: Mapping[str, Any]) -> None:
-        self.tuples.append(self._row_of(row))
-
-    def columns(self) -> list[tuple[Any, ...]]:
-        return list(zip(*self.tuples, strict=True))
+        for column, name in zip(self.columns, self.names, strict=True):
+            column.append(row[name])
+        self.rows += 1
 
     def extend_front(self, other: _TableBatch) -> None:
         """Put `other`'s rows (an earlier batch whose insert failed) before this batch's rows."""
-        self.tuples = other.tuples + self.tuples
+        self.columns = [old + new for old, new in zip(other.columns, self.columns, strict=True)]
+        self.rows += other.rows
 
 
 class ClickHouseSink:
@@ -110,7 +104,7 @@ class ClickHouseSink:
                     batch = batches[table]
                     if batch.rows:
                         started = time.perf_counter()
-                        await self.store.insert(table, batch.columns(), batch.names, column_oriented=True)
+                        await self.store.insert(table, batch.columns, batch.names, column_oriented=True)
                         if self.metrics is not None:
                             self.metrics.batch_seconds.labels(table).observe(time.perf_counter() - started)
                             self.metrics.batch_rows.labels(table).observe(batch.rows)
