@@ -35,11 +35,15 @@ def bytes_table(app: faust.App, name: str, settings: Settings, help: str) -> Any
 
 def rocksdb_memory(app: faust.App, settings: Settings) -> RocksDBMemory:
     """The worker's one RocksDB budget (TREADLE_TABLE_MEMORY_MB), kept on its app: every table draws on it."""
-    memory: RocksDBMemory | None = getattr(app, "rocksdb_memory", None)
+    memory = _budget_of(app)
     if memory is None:
         memory = RocksDBMemory(settings.table_memory_mb * MIB)
         app.rocksdb_memory = memory  # type: ignore[attr-defined]
     return memory
+
+
+def _budget_of(app: faust.App) -> RocksDBMemory | None:
+    return getattr(app, "rocksdb_memory", None)
 
 
 def get_in_partition(table: Any, key: bytes, partition: int) -> bytes | None:
@@ -61,7 +65,7 @@ def keys_in_order(table: Any, partition: int) -> Iterator[bytes]:
 def memory_report(app: faust.App) -> dict[str, int]:
     """Bytes of the worker's RocksDB budget in use (cache: everything charged to it), of its memtables, and its
     limit; empty before the first table exists."""
-    memory: RocksDBMemory | None = getattr(app, "rocksdb_memory", None)
+    memory = _budget_of(app)
     if memory is None:
         return {}
     memtables = 0

@@ -15,7 +15,7 @@ from prometheus_client.exposition import generate_latest
 from streams.metrics import JOIN_LATENCY_BUCKETS, METRIC_FAMILIES, GpuMetrics, SinkMetrics, WorkerMetrics
 from streams.settings import Settings
 from tests.factories import KIND_OF, RawProducer, scrape, total, wait_for
-from tests.test_pipeline import REWARD, complete, make_workload, produce
+from tests.test_pipeline import REWARD, complete, make_workload, produce, revision_diff
 from topics.catalog import TopicCatalog
 
 GARBAGE = b"\x00\x01 not avro"
@@ -48,7 +48,12 @@ def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
     worker.wait_ready()
     asyncio.run(produce(deployment, events))
     asyncio.run(send_garbage(deployment))
-    wait_for(complete(deployment, expected), 90, "all transitions")
+    wait_for(
+        complete(deployment, expected),
+        90,
+        "all transitions",
+        explain=lambda: revision_diff(deployment, expected, worker),
+    )
 
     catalog = TopicCatalog(deployment)
     sent = Counter((catalog[KIND_OF[name]].name, name) for name, _ in events)
