@@ -277,6 +277,16 @@ class ClickHouseStore:
         """Insert rows (or columns, with column_oriented=True) into `table` of the store's database."""
         return await self.call(_inserter(table, data, column_names, column_oriented, settings, self.database))
 
+    async def insert_avro(self, table: str, container: bytes, column_names: Sequence[str]) -> int:
+        """Insert an Avro object container file (FORMAT Avro; fields matched to `column_names` by name) into `table`."""
+
+        def insert(client: Client) -> int:
+            names = list(column_names)
+            target = f"{self.database}.{checked_identifier(table)}"
+            return client.raw_insert(target, names, insert_block=container, fmt="Avro").written_rows
+
+        return await self.call(insert)
+
     async def query(
         self, sql: str, parameters: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None
     ) -> QueryResult:

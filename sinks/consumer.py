@@ -36,7 +36,7 @@ class SinkConsumer:
         self.codec = codec
         self.intake = intake
         self.metrics = SinkMetrics()
-        self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size, metrics=self.metrics)
+        self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size, metrics=self.metrics, codec=codec)
         self._consumer: AIOKafkaConsumer | None = None
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self.skipped = 0
@@ -107,9 +107,7 @@ class SinkConsumer:
             self.sink.add(spec.kind, read.record)
             return
         try:
-            _, record = self.codec.decode(message.value, expect=spec.value_schema)
+            self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema)
         except DecodeError as exc:
             self.skipped += 1
             log.error("undecodable record on output topic %s@%d: %s", message.topic, message.offset, exc.reason)
-            return
-        self.sink.add(spec.kind, record)

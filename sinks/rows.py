@@ -85,6 +85,15 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "state_edge_ends": ("session_id", "to_ordinal", "src", "dst", "type", "from_ordinal", "valid_to", "close_op"),
 }  # fmt: skip
 
+# Topic kinds whose records are their table's row field by field (same names; nested records as Nested columns;
+# timestamp-micros as DateTime64(6)), so ClickHouse can read their Avro itself (sinks/avro_container.py) and the
+# sink never decodes them. tests/test_sink_avro.py holds each to the row its Python mapper below makes.
+AVRO_TABLES: Mapping[str, str] = {
+    "transitions": "transitions",
+    "woven_rewards": "woven_rewards",
+    "late_rewards": "late_rewards",
+}
+
 Row = dict[str, Any]
 
 

@@ -6,18 +6,26 @@ writer: rows are deterministic and every table is a ReplacingMergeTree keyed on 
 replay after a crash (same records again, in other batches) leaves the *_latest views unchanged. Commit the
 consumer offsets of a batch only after `flush()` returned: that makes the pipeline at-least-once into tables
 that absorb duplicates.
+
+Records bound for a table whose columns are their fields (sinks.rows.AVRO_TABLES) can skip Python altogether:
+`add_encoded` keeps their bytes, and ClickHouse decodes them at insert time (sinks/avro_container.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from sinks.clickhouse import ClickHouseStore
-from sinks.rows import TABLE_COLUMNS, rows_for
+from sinks.avro_container import AvroContainer
+from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
+from sinks.rows import AVRO_TABLES, TABLE_COLUMNS, rows_for
 from streams.metrics import SinkMetrics
+from topics.codec import HEADER, MAGIC, AvroCodec, DecodeError
+
+log = logging.getLogger(__name__)
 
 
 class _TableBatch:
@@ -49,13 +57,23 @@ class ClickHouseSink:
     loop: call `flush()` on a timer; it is a no-op when nothing is buffered.
     """
 
-    def __init__(self, store: ClickHouseStore, batch_size: int = 5000, metrics: SinkMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: ClickHouseStore,
+        batch_size: int = 5000,
+        metrics: SinkMetrics | None = None,
+        codec: AvroCodec | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.store = store
         self.batch_size = batch_size
         self.metrics = metrics
+        self.codec = codec or AvroCodec()
+        self.undecodable = 0  # encoded records neither ClickHouse nor the codec could read (logged, not inserted)
         self._batches: dict[str, _TableBatch] = {}
+        self._containers: dict[str, AvroContainer] = {}  # table -> records ClickHouse decodes itself
+        self._headers: dict[str, bytes] = {}  # schema name -> single-object header of its current version
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()
 
@@ -70,6 +88,28 @@ class ClickHouseSink:
             full |= batch.rows >= self.batch_size
         return full
 
+    def add_encoded(self, kind: str, value: bytes | None, expect: str) -> bool:
+        """Buffer one record of topic kind `kind` as it is on the topic (schema `expect`); True when a batch is full.
+
+        Written with the current version of `expect` and bound for an AVRO_TABLES table, it stays bytes until
+        ClickHouse reads it; anything else is decoded here, and DecodeError propagates.
+        """
+        table = AVRO_TABLES.get(kind)
+        if table is not None and value is not None and value[: HEADER.size] == self._header(expect):
+            container = self._containers.get(table)
+            if container is None:
+                container = self._containers[table] = AvroContainer(self.codec.schemas[expect])
+            container.append(value)
+            return container.rows >= self.batch_size
+        _, record = self.codec.decode(value, expect=expect)
+        return self.add(kind, record)
+
+    def _header(self, schema_name: str) -> bytes:
+        header = self._headers.get(schema_name)
+        if header is None:
+            header = self._headers[schema_name] = HEADER.pack(MAGIC, self.codec.schemas[schema_name].fingerprint)
+        return header
+
     async def put(self, kind: str, record: Mapping[str, Any]) -> None:
         """`add`, then flush if a batch is full."""
         if self.add(kind, record):
@@ -78,12 +118,17 @@ class ClickHouseSink:
     @property
     def pending(self) -> int:
         """Rows buffered and not yet inserted, all tables together."""
-        return sum(batch.rows for batch in self._batches.values())
+        return sum(self.pending_rows.values())
 
     @property
     def pending_rows(self) -> dict[str, int]:
         """Rows buffered and not yet inserted, per table."""
-        return {table: batch.rows for table, batch in self._batches.items() if batch.rows}
+        pending: dict[str, int] = {}
+        for buffers in (self._batches, self._containers):
+            for table, buffer in buffers.items():
+                if buffer.rows:
+                    pending[table] = pending.get(table, 0) + buffer.rows
+        return pending
 
     @property
     def rows_written(self) -> dict[str, int]:
@@ -97,25 +142,70 @@ class ClickHouseSink:
         propagates; retrying is safe since re-inserting rows that did land changes nothing.
         """
         async with self._flush_lock:
-            batches, self._batches = self._batches, {}
             inserted: dict[str, int] = {}
+            containers, self._containers = self._containers, {}
+            try:
+                for table in list(containers):
+                    await self._insert_container(table, containers[table], inserted)
+                    del containers[table]
+            finally:
+                _keep_unflushed(containers, self._containers)
+            batches, self._batches = self._batches, {}
             try:
                 for table in list(batches):
                     batch = batches[table]
                     if batch.rows:
-                        started = time.perf_counter()
-                        await self.store.insert(table, batch.columns, batch.names, column_oriented=True)
-                        if self.metrics is not None:
-                            self.metrics.batch_seconds.labels(table).observe(time.perf_counter() - started)
-                            self.metrics.batch_rows.labels(table).observe(batch.rows)
-                        self._written[table] += batch.rows
-                        inserted[table] = batch.rows
+                        await self._timed(table, batch.rows, self.store.insert(table, batch.columns, batch.names,
+                                                                               column_oriented=True))  # fmt: skip
+                        inserted[table] = inserted.get(table, 0) + batch.rows
                     del batches[table]
             finally:
-                for table, unflushed in batches.items():
-                    newer = self._batches.get(table)
-                    if newer is None:
-                        self._batches[table] = unflushed
-                    else:
-                        newer.extend_front(unflushed)
+                _keep_unflushed(batches, self._batches)
             return inserted
+
+    async def _insert_container(self, table: str, container: AvroContainer, inserted: dict[str, int]) -> None:
+        """ClickHouse decodes the records; if it cannot (a malformed record fails the whole insert), they are decoded
+        here and join the table's Python batch, which the same flush inserts, so only unreadable records are lost."""
+        if not container.rows:
+            return
+        names = TABLE_COLUMNS[table]
+        try:
+            await self._timed(table, container.rows, self.store.insert_avro(table, container.to_bytes(), names))
+        except ClickHouseUnavailableError:
+            raise
+        except Exception as exc:
+            log.warning("ClickHouse could not insert %d Avro records into %s (%s); decoding them in Python instead",
+                        container.rows, table, " ".join(str(exc).split())[:300])  # fmt: skip
+            self._decode_into_batches(table, container)
+            return
+        inserted[table] = inserted.get(table, 0) + container.rows
+
+    def _decode_into_batches(self, table: str, container: AvroContainer) -> None:
+        kind = next(kind for kind, target in AVRO_TABLES.items() if target == table)
+        for value in container.values:
+            try:
+                _, record = self.codec.decode(value, expect=container.schema.name)
+            except DecodeError as exc:
+                self.undecodable += 1
+                log.error("undecodable %s record bound for %s, not inserted: %s", container.schema.name, table,
+                          exc.reason)  # fmt: skip
+                continue
+            self.add(kind, record)
+
+    async def _timed(self, table: str, rows: int, insert: Any) -> None:
+        started = time.perf_counter()
+        await insert
+        if self.metrics is not None:
+            self.metrics.batch_seconds.labels(table).observe(time.perf_counter() - started)
+            self.metrics.batch_rows.labels(table).observe(rows)
+        self._written[table] += rows
+
+
+def _keep_unflushed(unflushed: Mapping[str, Any], buffers: dict[str, Any]) -> None:
+    """Buffers a failed flush did not insert go back, ahead of what was added meanwhile."""
+    for table, old in unflushed.items():
+        newer = buffers.get(table)
+        if newer is None:
+            buffers[table] = old
+        else:
+            newer.extend_front(old)
