@@ -208,10 +208,12 @@ class Published(_Tail):
     def __init__(self, settings: Settings, topic: str) -> None:
         super().__init__(settings, topic)
         self.at: dict[str, float] = {}
+        self.created: dict[str, float] = {}  # the same Transitions' producer timestamps (when the worker sent them)
         self._codec = AvroCodec()
 
     def take(self, partition: int, messages: list, now: float) -> None:
         for message in messages:
             record = self._codec.decode(message.value, expect=TRANSITION)[1]
-            if record["reward_status"] == "complete":
-                self.at.setdefault(record["logical_event_id"], now)
+            if record["reward_status"] == "complete" and record["logical_event_id"] not in self.at:
+                self.at[record["logical_event_id"]] = now
+                self.created[record["logical_event_id"]] = message.timestamp / 1000
