@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from bench.workload import (
     weaving_policy,
 )
 from streams.garbage_collection import freeze_startup_objects
+from streams.local.kafka import LocalKafka
 from streams.producer import producer_config
 from streams.run_info import SqlEndpoint
 from streams.settings import Settings
@@ -176,6 +178,8 @@ def latency(ctx: Context) -> bool:
         sink = SqlEndpoint.read(settings)
         sink_pid = sink.pid if sink is not None else None
         cpu_before, sink_before = cpu_seconds(worker.pid), _cpu(sink_pid)
+        neighbours = {"Kafka": LocalKafka(ctx.base).pid, "the bench": os.getpid()}  # on the sink's core
+        neighbours_before = {name: _cpu(pid) for name, pid in neighbours.items()}
         if args.profile is not None:  # the paced load: small batches, every event its own step touch
             for pid, name in ((worker.pid, "latency"), (sink_pid, "sink")):
                 if pid is not None:
@@ -186,6 +190,7 @@ def latency(ctx: Context) -> bool:
             stop_spy(spy)
         run = seen.run
         cpu_load, sink_load = _diff(cpu_before, cpu_seconds(worker.pid)), _diff(sink_before, _cpu(sink_pid))
+        neighbour_load = {name: _diff(neighbours_before[name], _cpu(pid)) for name, pid in neighbours.items()}
         load_after = loadavg()
         check = check_in_clickhouse(settings, seen.expectation, timeout=120.0)
         cpu_all = _diff(cpu_before, cpu_seconds(worker.pid))
@@ -203,6 +208,8 @@ def latency(ctx: Context) -> bool:
         "of CPU per input event",
         f"sink child CPU while the load ran: {sink_load or 0:.1f}s = {100 * (sink_load or 0) / max(load_s, 1e-9):.0f}% "
         "of a core (it runs off the worker's core)",
+        "sharing that core meanwhile: "
+        + ", ".join(f"{name} {100 * (used or 0) / max(load_s, 1e-9):.0f}%" for name, used in neighbour_load.items()),
         inserts,
         gc_pauses,
         f"loadavg before {load_before}, after the load {load_after}",
