@@ -178,7 +178,7 @@ def latency(ctx: Context) -> bool:
         sink = SqlEndpoint.read(settings)
         sink_pid = sink.pid if sink is not None else None
         cpu_before, sink_before = cpu_seconds(worker.pid), _cpu(sink_pid)
-        neighbours = {"Kafka": LocalKafka(ctx.base).pid, "the bench": os.getpid()}  # on the sink's core
+        neighbours = {"Kafka": LocalKafka(ctx.base).pid(), "the bench": os.getpid()}  # on the sink's core
         neighbours_before = {name: _cpu(pid) for name, pid in neighbours.items()}
         if args.profile is not None:  # the paced load: small batches, every event its own step touch
             for pid, name in ((worker.pid, "latency"), (sink_pid, "sink")):
