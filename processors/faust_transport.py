@@ -36,6 +36,7 @@ A batch is never cancelled half way: it finishes, then the rebalance goes on.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -49,6 +50,7 @@ from streams.batching import DeliveryCallback, PartitionBatcher
 log = logging.getLogger(__name__)
 
 FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also the idle fetch period)
+STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
 BatchHandler = Callable[[list[Any]], Awaitable[None]]  # takes Faust ConsumerMessages, in fetch order
 
 
@@ -85,6 +87,22 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             return await asyncio.shield(last)
 
         self.callback = deliver_fully
+
+    async def wait_empty(self) -> None:
+        """Faust's wait (a rebalance, a stop) until every input message handed out is acked; past STALL_REPORT_S
+        it logs, once, the stack of every asyncio task, so a batch that never acks shows what it awaits. Faust's own
+        report covers agents only, and this app folds its input outside agents."""
+        report = asyncio.ensure_future(self._report_stall(STALL_REPORT_S))
+        try:
+            await super().wait_empty()
+        finally:
+            report.cancel()
+
+    async def _report_stall(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        log.warning("waited %.0f s for %d handed-out input messages to be acked (a rebalance or stop cannot go on "
+                    "until they are); what every task awaits:\n%s",
+                    after_s, len(self._unacked_messages), task_stacks())  # fmt: skip
 
     async def _drain_messages(self, fetcher: Any) -> None:
         """Faust's fetch loop, with records of batch topics handed over a batch at a time.
@@ -178,6 +196,15 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 log.info("fetching %s[%d]@%d..%d again: Faust fetched them but did not hand them out",
                          tp.topic, tp.partition, resume, last)  # fmt: skip
                 await self.seek(tp, resume)
+
+
+def task_stacks() -> str:
+    """The stack of every task of the running event loop (where each one awaits), as text."""
+    out = io.StringIO()
+    for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+        out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
+        task.print_stack(file=out)
+    return out.getvalue()
 
 
 class ProducerFlushError(RuntimeError):
