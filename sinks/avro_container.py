@@ -59,6 +59,6 @@ class AvroContainer:
         parts = [self._header]
         sync, skip = self._sync, HEADER.size
         for value in self.values:
-            body = value[skip:]
+            body = memoryview(value)[skip:]  # no copy: join reads it in place
             parts += (ONE_RECORD, zigzag_long(len(body)), body, sync)
         return b"".join(parts)

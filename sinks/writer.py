@@ -181,7 +181,7 @@ class ClickHouseSink:
         inserted[table] = inserted.get(table, 0) + container.rows
 
     def _decode_into_batches(self, table: str, container: AvroContainer) -> None:
-        kind = next(kind for kind, target in AVRO_TABLES.items() if target == table)
+        [kind] = [kind for kind, target in AVRO_TABLES.items() if target == table]  # one topic kind per table
         for value in container.values:
             try:
                 _, record = self.codec.decode(value, expect=container.schema.name)
