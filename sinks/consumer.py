@@ -22,6 +22,11 @@ from topics.codec import AvroCodec, DecodeError
 
 log = logging.getLogger(__name__)
 
+# A fetch returns once 64 KiB are there, or after 100 ms: fewer, fuller fetches than aiokafka's 1 byte / 500 ms, which
+# under a steady trickle fetched a few records per request (the broker's CPU, on the core it shares with the sink).
+FETCH_MIN_BYTES = 65_536
+FETCH_MAX_WAIT_MS = 100
+
 
 class SinkConsumer:
     def __init__(
@@ -49,6 +54,8 @@ class SinkConsumer:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=self.settings.sink_batch_size,
+            fetch_min_bytes=FETCH_MIN_BYTES,
+            fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
         )
 
     @property
@@ -76,38 +83,38 @@ class SinkConsumer:
 
     async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         first_buffered: float | None = None
-        uncommitted = False
+        uncommitted = full = False
         timeout_ms = int(self.settings.sink_flush_seconds * 1000)
         while True:
             batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=self.settings.sink_batch_size)
             for messages in batches.values():
                 for message in messages:
-                    self._add(message)
+                    full |= self._add(message)
                     uncommitted = True
             if self.sink.pending and first_buffered is None:
                 first_buffered = time.monotonic()
             due = first_buffered is not None and (
-                time.monotonic() - first_buffered >= self.settings.sink_flush_seconds
-                or self.sink.pending >= self.settings.sink_batch_size
+                full or time.monotonic() - first_buffered >= self.settings.sink_flush_seconds
             )
             if due:
                 await self.sink.flush()
-                first_buffered = None
+                first_buffered, full = None, False
             if uncommitted and not self.sink.pending:
                 await consumer.commit()
                 uncommitted = False
 
-    def _add(self, message) -> None:
+    def _add(self, message) -> bool:
+        """Buffer the message's rows; True when a table's batch is full (TREADLE_SINK_BATCH_SIZE rows)."""
         spec = self._specs[message.topic]
         if spec.role is TopicRole.INPUT:
             read = self.intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
             if not isinstance(read, Accepted):
                 self.skipped += 1  # the step assembler writes it to dead letters
-                return
-            self.sink.add(spec.kind, read.record)
-            return
+                return False
+            return self.sink.add(spec.kind, read.record)
         try:
-            self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema)
+            return self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema)
         except DecodeError as exc:
             self.skipped += 1
             log.error("undecodable record on output topic %s@%d: %s", message.topic, message.offset, exc.reason)
+            return False
