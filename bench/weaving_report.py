@@ -121,11 +121,11 @@ def latencies(seen: Observed) -> Latencies:
         if any(a is None for a in acks):
             out.no_ack += 1
             continue
-        acked, partition, offset = max(acks)  # type: ignore[type-var]
+        acked, value = max(acks)  # type: ignore[type-var]
         out.visible.append(seen.poller.seen.get(lid, inf) - acked)  # inf: not seen within the poller's horizon
         out.published.append(seen.published.at.get(lid, inf) - acked)
         out.produced.append(seen.published.created.get(lid, inf) - acked)
-        received = seen.receipts.at.get((partition, offset))
+        received = seen.receipts.at.get(value)
         if received is not None:
             out.floor.append(received - acked)
     return out
