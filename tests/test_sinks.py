@@ -7,6 +7,7 @@ own database on it; every store is closed by the end of the module so other modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import re
@@ -16,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -580,6 +581,55 @@ async def test_sink_flushes_full_batches_and_counts_rows(store: ClickHouseStore)
     assert rows_of(store, "SELECT count() AS n FROM dead_letters_latest") == [{"n": 5}]
     with pytest.raises(ValueError):
         ClickHouseSink(store, batch_size=0)
+
+
+async def test_the_sink_consumer_inserts_when_one_table_fills_its_batch(
+    store: ClickHouseStore, deployment: Settings
+) -> None:
+    """TREADLE_SINK_BATCH_SIZE is rows per insert: two rewards buffer four rows, two per table, and wait for the
+    timer; the fourth reward fills both tables' batches, which go in one insert each (real Kafka, chDB)."""
+    from processors.intake import Intake
+    from processors.validation import InputValidator
+    from sinks.consumer import SinkConsumer
+    from tests.factories import RawProducer
+    from tests.factories import reward as reward_record
+    from topics.codec import AvroCodec
+    from topics.tool_schemas import ToolSchemas
+
+    settings = deployment.model_copy(update={"sink_batch_size": 4, "sink_flush_seconds": 600.0})
+    catalog, codec = TopicCatalog(settings), AvroCodec()
+    intake = Intake(codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)))
+    consumer = SinkConsumer(settings, catalog, codec, intake, store)
+    running = asyncio.create_task(consumer.run())
+
+    async def until(done: Callable[[], bool], what: str) -> None:
+        for _ in range(300):
+            if done():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{what}: buffered {consumer.sink.pending_rows}, wrote {consumer.sink.rows_written}")
+
+    try:
+        async with RawProducer(settings, codec) as producer:
+            for seq in (1, 2):
+                await producer.send("treadle.events.RewardSignal", reward_record("s-batch", f"l-{seq}", seq, 0.5))
+            await producer.flush()
+            await until(lambda: consumer.sink.pending == 4, "four rows buffered")
+            await asyncio.sleep(1.0)  # several polls later: still buffered, nothing inserted
+            assert consumer.sink.pending_rows == {"raw_events": 2, "reward_components": 2}
+            assert consumer.sink.rows_written["raw_events"] == 0
+            for seq in (3, 4):
+                await producer.send("treadle.events.RewardSignal", reward_record("s-batch", f"l-{seq}", seq, 0.5))
+            await producer.flush()
+            await until(lambda: consumer.sink.rows_written["reward_components"] == 4, "both tables inserted")
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    assert {t: n for t, n in consumer.sink.rows_written.items() if n} == {"raw_events": 4, "reward_components": 4}
+    batches = consumer.metrics.batch_rows.labels("raw_events").collect()[0].samples
+    assert [s.value for s in batches if s.name.endswith("_count")] == [1.0]  # one insert of four rows
+    assert rows_of(store, "SELECT count() AS n FROM raw_events_latest WHERE session_id = 's-batch'") == [{"n": 4}]
 
 
 async def test_a_failed_flush_keeps_its_rows_for_the_retry(store: ClickHouseStore) -> None:
