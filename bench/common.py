@@ -17,11 +17,13 @@ from streams.settings import REPO_ROOT, Settings
 
 # TREADLE_BENCH_PORT_SHIFT (default 0) moves every port below, so two benchmarks can run on one machine.
 _SHIFT = int(os.environ.get("TREADLE_BENCH_PORT_SHIFT", "0"))
-BENCH_KAFKA_PORT = 29492 + _SHIFT  # below the ephemeral port range (no self-connect TIME_WAIT)
+# All below Linux's ephemeral range (32768-60999): a listener there can find its port taken by some client's socket
+# (the worker's web port did: "address already in use" on 56066), and a broker port can self-connect.
+BENCH_KAFKA_PORT = 29492 + _SHIFT
 BENCH_CONTROLLER_PORT = 29493 + _SHIFT
 BENCH_VALKEY_PORT = 29479 + _SHIFT
-BENCH_WEB_PORT = 56066 - _SHIFT
-BENCH_SQL_PORT = 56067 - _SHIFT  # the sink's SQL endpoint; the default (16067) is the user's own worker's
+BENCH_WEB_PORT = 29466 + _SHIFT
+BENCH_SQL_PORT = 29467 + _SHIFT  # the sink's SQL endpoint; the default (16067) is the user's own worker's
 WORKER_CORE = 1
 
 
