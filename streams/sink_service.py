@@ -22,6 +22,7 @@ from processors.intake import Intake
 from processors.validation import InputValidator
 from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.consumer import SinkConsumer
+from sinks.merge_settings import apply_merge_settings
 from sinks.migrations import apply_migrations
 from sinks.sql_guard import ReadOnlyQueryError
 from streams.garbage_collection import freeze_startup_objects, tune_collector
@@ -104,6 +105,7 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     intake = Intake(codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)))
     store = await asyncio.to_thread(open_store, settings)
     await asyncio.to_thread(apply_migrations, store)
+    await asyncio.to_thread(apply_merge_settings, store)
     consumer = SinkConsumer(settings, catalog, codec, intake, store)
     consumer.metrics.gc_pauses.watch()
     runner = web.AppRunner(sql_app(store, consumer), access_log=None)

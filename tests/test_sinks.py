@@ -312,6 +312,19 @@ def test_migrations_create_the_database_and_refuse_an_edited_one(bare_store: Cli
         bare_store.call_sync(lambda c: migrations.apply_pending(c, db, migrations.load_migrations(folder)))
 
 
+def test_merge_settings_apply_to_the_busy_tables_and_skip_what_the_server_lacks(store: ClickHouseStore) -> None:
+    from sinks.merge_settings import BUSY_TABLES, MERGE_SETTINGS, apply_merge_settings
+
+    assert apply_merge_settings(store) == MERGE_SETTINGS  # chDB knows both
+    assert apply_merge_settings(store, {"no_such_setting": 1, "merge_selector_base": 12}) == {"merge_selector_base": 12}
+    for table in BUSY_TABLES:
+        [(create,)] = store.query_sync(f"SHOW CREATE TABLE {table}").result_rows
+        assert "merge_selector_enable_heuristic_to_lower_max_parts_to_merge_at_once = 0" in create, table
+        assert "merge_selector_base = 12" in create and "no_such_setting" not in create, table
+    [(create,)] = store.query_sync("SHOW CREATE TABLE dead_letters").result_rows
+    assert "merge_selector" not in create
+
+
 def test_load_migrations_checks_the_folder(tmp_path: Path) -> None:
     (tmp_path / "0001_a.up.sql").write_text("SELECT 1")
     with pytest.raises(migrations.MigrationError, match="0001 has no down script"):
