@@ -51,9 +51,8 @@ log = logging.getLogger(__name__)
 
 FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also the idle fetch period)
 # A fetch returns once this much is there (or after FETCH_MAX_WAIT_MS). With 1 byte (aiokafka's default) a worker
-# under a steady trickle fetched a few records per request: the weaving bench's paced load at 5,000 events/s cost
-# it 79% of its core against 69-75% with 16 KiB, and cost the broker more requests on the core it shares with
-# the sink. A fetch waits at most FETCH_MAX_WAIT_MS for it.
+# under a steady trickle fetched a few records per request, and the broker paid for every request on the core it
+# shares with the sink (weaving bench, paced 5,000 events/s). Sparse input waits at most FETCH_MAX_WAIT_MS longer.
 FETCH_MIN_BYTES = 16_384
 STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
 BatchHandler = Callable[[list[Any]], Awaitable[None]]  # takes Faust ConsumerMessages, in fetch order
