@@ -58,7 +58,7 @@ async def send_paced(
     hand steps whose last required reward was just sent to the poller.
 
     Events go the way the SDK sends them (streams/batching.py): appended to their partition's batch, the key's
-    murmur2 computed once per session. aiokafka's `send()` per event took ~40% of the bench's CPU (py-spy at
+    murmur2 computed once per session. aiokafka's `send()` per event took ~29% of the bench's CPU (py-spy at
     5,000 events/s), on the core the sink shares.
     """
     codec = AvroCodec()
