@@ -86,8 +86,8 @@ async def send_paced(
         tracked = expectation is not None and item.original is None and item.schema == REWARD
         token = delivered.track(item.record["envelope"]["event_id"], value) if tracked else -1
         topic, partition = topics[item.schema], hashed % partitions
-        while batcher.append(topic, partition, key, value, delivered, token) is None:
-            await batcher.room(topic, partition)
+        if batcher.append(topic, partition, key, value, delivered, token) is None:
+            await batcher.append_when_room(topic, partition, key, value, delivered, token)
         run.last_s = time.perf_counter()
         run.first_s = run.first_s or run.last_s
         run.sent += 1

@@ -234,8 +234,8 @@ class BatchingProducer(faust_aiokafka.Producer):
         batcher = self._batcher
         if batcher is None:
             batcher = self._batcher = PartitionBatcher(self._ensure_producer())
-        while batcher.append(topic, partition, key, value, owner, token) is None:
-            await batcher.room(topic, partition)  # the partition's batch is full and the one before is not taken
+        if batcher.append(topic, partition, key, value, owner, token) is None:  # no coroutine while there is room
+            await batcher.append_when_room(topic, partition, key, value, owner, token)
 
     async def flush(self) -> None:
         """Every record appended so far is acked, or this raises (so Faust does not commit input offsets)."""

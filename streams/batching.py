@@ -133,6 +133,14 @@ class PartitionBatcher:
         batch.entries.append((owner, token))
         return batch
 
+    async def append_when_room(
+        self, topic: str, partition: int, key: bytes | None, value: bytes | None, owner: DeliveryCallback, token: int
+    ) -> Batch:
+        """`append`, waiting for room while the partition's batch is full (as aiokafka's `send()` waits)."""
+        while (batch := self.append(topic, partition, key, value, owner, token)) is None:
+            await self.room(topic, partition)
+        return batch
+
     async def handed_over(self) -> None:
         """Wait until every record appended so far is in the producer's accumulator, so its flush() covers it."""
         tasks = [state.task for state in self._partitions.values() if state.task is not None]

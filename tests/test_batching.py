@@ -176,8 +176,7 @@ async def _batched(deployment: Settings, values: list[bytes], **options) -> tupl
         batcher = PartitionBatcher(producer)
         topic = TopicCatalog(deployment)["actions"].name
         for token, value in enumerate(values):
-            while batcher.append(topic, 0, b"worker", value, outcomes.__setitem__, token) is None:
-                await batcher.room(topic, 0)
+            await batcher.append_when_room(topic, 0, b"worker", value, outcomes.__setitem__, token)
         await batcher.handed_over()  # then the producer's own flush covers every record
         await producer.flush()
         await asyncio.sleep(0)  # delivery callbacks run right after the flush's futures resolve
