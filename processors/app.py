@@ -187,6 +187,9 @@ def build_pipeline(
         # aiokafka's send() waits while its partition's batch is full until the sender drains it (one request
         # per broker in flight), so 16 KiB batches made a worker wait on round trips mid-batch.
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
+        # The step changelog is most of what a worker writes to Kafka (~2.5 records of ~2.7 KB of JSON per step);
+        # zstd shrinks those batches ~8x, for the broker's disk and CPU and for recovery (TREADLE_OUTPUT_COMPRESSION).
+        producer_compression_type=None if settings.output_compression == "none" else settings.output_compression,
         broker_max_poll_records=settings.process_batch_size,  # the most records one intake batch folds
     )
     processors = processors if processors is not None else default_processors(settings.processors)
