@@ -20,6 +20,7 @@ from typing import Any
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro._read_common import SchemaResolutionError
 
+from topics.avro_reader import RecordReader, compile_reader
 from topics.avro_writer import RecordWriter, UnsupportedSchema, compile_writer
 from topics.schemas import AvroSchema, SchemaSet
 
@@ -54,6 +55,7 @@ class AvroCodec:
         self.schemas = schemas or SchemaSet.load()
         self._lookup = lookup
         self._writers: dict[str, RecordWriter | None] = {}  # generated writers by schema name; None: fastavro only
+        self._readers: dict[int, RecordReader | None] = {}  # generated readers by writer fingerprint; None: fastavro
 
     def encode(self, schema_name: str, record: dict[str, Any]) -> bytes:
         """Header + Avro binary; the generated writer first, fastavro for what it does not take (same bytes)."""
@@ -109,6 +111,11 @@ class AvroCodec:
         if expect is not None and writer.name != expect:
             raise DecodeError(DeadLetterStage.SCHEMA, f"expected a {expect} record, got {writer.name} (wrong topic?)")
         reader = self.schemas[reader_name] if reader_name in self.schemas else writer
+        assert data is not None  # writer_schema raised otherwise
+        if reader.fingerprint == writer.fingerprint:
+            record, end = self._read_generated(writer, data)
+            if record is not None:
+                return reader_name, self._whole(record, end, data, writer)
         try:
             body = io.BytesIO(data)
             body.seek(HEADER.size)
@@ -124,9 +131,31 @@ class AvroCodec:
             raise DecodeError(
                 DeadLetterStage.DECODE, f"body does not match writer schema {writer.name}: {exc!r}"
             ) from exc
-        if body.tell() != len(data):
-            raise DecodeError(
-                DeadLetterStage.DECODE,
-                f"{len(data) - body.tell()} trailing bytes after a {writer.name} record",
-            )
-        return reader_name, record
+        return reader_name, self._whole(record, body.tell(), data, writer)
+
+    def _read_generated(self, writer: AvroSchema, data: bytes) -> tuple[Any, int]:
+        """(record, end) from the schema's generated reader, or (None, 0) where fastavro must read it: no reader for
+        the schema, or bytes it does not vouch for (fastavro then decodes them or names the error)."""
+        try:
+            read = self._readers[writer.fingerprint]
+        except KeyError:
+            read = self._readers[writer.fingerprint] = _compiled_reader(writer)
+        if read is None:
+            return None, 0
+        try:
+            return read(data, HEADER.size)
+        except Exception:
+            return None, 0
+
+    @staticmethod
+    def _whole(record: dict[str, Any], end: int, data: bytes, writer: AvroSchema) -> dict[str, Any]:
+        if end != len(data):
+            raise DecodeError(DeadLetterStage.DECODE, f"{len(data) - end} trailing bytes after a {writer.name} record")
+        return record
+
+
+def _compiled_reader(schema: AvroSchema) -> RecordReader | None:
+    try:
+        return compile_reader(schema.json)
+    except UnsupportedSchema:
+        return None
