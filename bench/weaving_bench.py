@@ -7,7 +7,8 @@ The expected rows (final revision per step, the late rewards) are computed from 
 worker's code, and every section checks the worker against them. It starts its own stack like bench.run:
   1. throughput: the whole workload in Kafka before the worker starts (pinned to one core); events/s from its
      ready signal until every final Transition and late reward is read back; vs raw consume + decode;
-  2. latency at a paced 5,000 input events/s: last required reward acked -> complete row visible in ClickHouse;
+  2. latency at a paced 5,000 input events/s, after --warmup s of it: last required reward acked -> complete row
+     visible in ClickHouse;
   3. soak: the paced load for --soak-minutes; worker (and sink) RSS every 10 s, and the open_steps gauge.
 """
 
@@ -35,6 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--events", type=int, default=100_000, help="input events of the throughput run (100,000)")
     parser.add_argument("--rate", type=float, default=5000.0, help="paced input events/s of the latency run (5,000)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of paced load of the latency run (60)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=45.0,
+        help="seconds of the same paced load, not measured, before the latency run (45): a fresh broker's JIT "
+        "compiler takes ~20%% of the shared core for its first ~40 s of load",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.1, help="ClickHouse poll of the latency run (0.1 s)")
     parser.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of the soak (10)")
     parser.add_argument("--soak-rate", type=float, default=2000.0, help="paced input events/s of the soak (2,000)")
@@ -59,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.events = min(args.events, 20_000)
         args.duration = min(args.duration, 15.0)
+        args.warmup = min(args.warmup, 5.0)
         args.soak_minutes = min(args.soak_minutes, 1.0)
     return args
 

@@ -318,6 +318,14 @@ class WeavingExpectation:
         else:
             step.rewards[env["event_id"]] = (item.record["source"], env["event_time"])
 
+    @classmethod
+    def union(cls, *parts: WeavingExpectation) -> WeavingExpectation:
+        """The steps of several runs (their ids are distinct), to check them all at once."""
+        whole = cls()
+        for part in parts:
+            whole.steps.update(part.steps)
+        return whole
+
     def final_revisions(self) -> dict[str, int]:
         return {lid: step.final_revision for lid, step in self.steps.items()}
 
