@@ -12,7 +12,8 @@ Streams' "RocksDB: bounded memory usage" (docs/streams/developer-guide/memory-mg
 The tables write no RocksDB write-ahead log, as Kafka Streams' stores do not: the changelog topic is the source of
 truth. A worker killed mid-write loses its unflushed memtables, and RocksDB reopens at its last flush (one column
 family: a prefix of the writes, the persisted changelog offset included), from where Faust's recovery replays the
-changelog. The WAL cost ~7 us of every put of a ~2.7 KB step (bench/, rocksdict 0.3).
+changelog. The WAL cost ~7 us of every put of a ~2.7 KB step: 9.8 us per put with it, 2.9 without (40,000 puts in
+a loop, rocksdict 0.3.29).
 """
 
 from __future__ import annotations
