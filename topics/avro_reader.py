@@ -19,14 +19,12 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from topics.avro_writer import UnsupportedSchema
+from topics.avro_codegen import SchemaCompiler, UnsupportedSchema, indent, primitive_kind
 
 __all__ = ["RecordReader", "compile_reader"]
 
 # (data, position of the record) -> (record, position after it)
 RecordReader = Callable[[bytes, int], tuple[dict[str, Any], int]]
-
-_PRIMITIVES = frozenset(("null", "boolean", "int", "long", "float", "double", "bytes", "string"))
 
 
 class _Reject(Exception):
@@ -68,97 +66,49 @@ def compile_reader(schema: Any) -> RecordReader:
 Code = list[str]  # statements that leave the value in the variable they were given
 
 
-class _Compiler:
+class _Compiler(SchemaCompiler[Code]):
     """Generates straight-line code over `b` (the bytes) and `p` (the position).
 
     Records are inlined where they are defined; each also gets a function for references by name.
     """
 
     def __init__(self) -> None:
-        self.functions: list[str] = []
-        self.names: dict[str, str] = {}  # full record name -> its function's name
-        self.named: dict[str, Any] = {}
-        self.env: dict[str, Any] = {"_Reject": _Reject, "_rest": _varint_rest, "_span": _span}
-        self.counter = 0
+        super().__init__({"_Reject": _Reject, "_rest": _varint_rest, "_span": _span})
 
     def build(self, schema: Any) -> RecordReader:
         if not isinstance(schema, dict) or schema.get("type") != "record":
             raise UnsupportedSchema("only record schemas get a reader")
-        out = self._var("r")
-        stmts = self._value(schema, out, "")
+        out = self.var("r")
+        stmts = self.value(schema, out, "")
         # A string or bytes value running past the end is sliced short without an error; p then lies past the end.
         body = [
             "def read(b, p):",
-            *_indent(stmts),
+            *indent(stmts),
             "    if p > len(b):",
             "        raise _Reject",
             f"    return {out}, p",
         ]
-        source = "\n".join([*self.functions, *body, ""])
-        self.env["__source__"] = source
-        exec(compile(source, f"<avro reader {schema['name']}>", "exec"), self.env)
-        return self.env["read"]
+        return self.finish(body, f"avro reader {schema['name']}")
 
-    def _var(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}{self.counter}"
-
-    def _define(self, schema: dict[str, Any], namespace: str) -> str:
-        name = str(schema["name"])
-        space = schema.get("namespace", namespace)
-        full = name if "." in name or not space else f"{space}.{name}"
-        if full in self.named:
-            raise UnsupportedSchema(f"named type {full} defined twice")
-        self.named[full] = schema
-        return full
-
-    def _value(self, schema: Any, out: str, namespace: str) -> Code:
-        if isinstance(schema, list):
-            return self._union(schema, out, namespace)
-        if isinstance(schema, str):
-            return self._primitive(schema, out) if schema in _PRIMITIVES else self._ref(schema, out)
-        if not isinstance(schema, dict):
-            raise UnsupportedSchema(f"not an Avro schema: {schema!r}")
-        if "logicalType" in schema:
-            raise UnsupportedSchema("logical types are converted by fastavro; no generated reader")
-        kind = schema["type"]
-        if isinstance(kind, dict | list):
-            return self._value(kind, out, namespace)
-        if kind in _PRIMITIVES:
-            return self._primitive(kind, out)
-        if kind == "record":
-            return self._record(schema, out, namespace)
-        if kind == "enum":
-            self._define(schema, namespace)
-            return self._enum(schema, out)
-        if kind == "fixed":
-            self._define(schema, namespace)
-            return self._fixed(schema, out)
-        if kind in ("array", "map"):
-            return self._blocks(schema, out, namespace)
-        if isinstance(kind, str):
-            return self._ref(kind, out)
-        raise UnsupportedSchema(f"not an Avro schema: {schema!r}")
-
-    def _record(self, schema: dict[str, Any], out: str, namespace: str) -> Code:
+    def record(self, schema: dict[str, Any], out: str, namespace: str) -> Code:
         """Fields into locals, in order, then one dict display (fastavro's key order: the schema's)."""
-        full = self._define(schema, namespace)
-        self.names[full] = func = self._var("_r")
+        full = self.define(schema, namespace)
+        self.names[full] = func = self.var("_r")
         inner = full.rpartition(".")[0]
         stmts: list[str] = []
         items: list[str] = []
         doubles: list[str] = []  # adjacent double fields: one struct.unpack_from for all of them
         for field in schema["fields"]:
-            var = self._var("f")
+            var = self.var("f")
             items.append(f"{field['name']!r}: {var}")
-            if self._primitive_kind(field["type"]) == "double":
+            if primitive_kind(field["type"]) == "double":
                 doubles.append(var)
                 continue
             stmts += self._unpack_doubles(doubles)
-            stmts += self._value(field["type"], var, inner)
+            stmts += self.value(field["type"], var, inner)
         stmts += self._unpack_doubles(doubles)
         stmts.append(f"{out} = {{{', '.join(items)}}}")
-        self.functions += [f"def {func}(b, p):", *_indent(stmts), f"    return {out}, p", ""]
+        self.functions += [f"def {func}(b, p):", *indent(stmts), f"    return {out}, p", ""]
         return stmts
 
     def _unpack_doubles(self, doubles: list[str]) -> Code:
@@ -172,13 +122,8 @@ class _Compiler:
         doubles.clear()
         return stmts
 
-    def _ref(self, name: str, out: str) -> Code:
-        schema = self.named.get(name)
-        if schema is None:
-            raise UnsupportedSchema(f"unknown or relative named type {name}")
-        if schema["type"] == "record":
-            return [f"{out}, p = {self.names[name]}(b, p)"]
-        return self._enum(schema, out) if schema["type"] == "enum" else self._fixed(schema, out)
+    def record_ref(self, name: str, out: str) -> Code:
+        return [f"{out}, p = {self.names[name]}(b, p)"]
 
     @staticmethod
     def _long(out: str) -> Code:
@@ -191,7 +136,7 @@ class _Compiler:
             f"{out} = ({out} >> 1) ^ -({out} & 1)",
         ]
 
-    def _primitive(self, kind: str, out: str) -> Code:
+    def primitive(self, kind: str, out: str) -> Code:
         if kind == "null":
             return [f"{out} = None"]
         if kind == "boolean":
@@ -203,7 +148,7 @@ class _Compiler:
         if kind == "float":
             self.env.setdefault("_unpack_f", struct.Struct("<f").unpack_from)
             return [f"{out}, = _unpack_f(b, p)", "p += 4"]
-        start = self._var("s")
+        start = self.var("s")
         value = f"b[{start}:p]" if kind == "bytes" else f"b[{start}:p].decode()"
         return [  # a length below 64 is one even byte; _span reads any other
             f"{out} = b[p]",
@@ -215,8 +160,8 @@ class _Compiler:
             f"{out} = {value}",
         ]
 
-    def _enum(self, schema: dict[str, Any], out: str) -> Code:
-        symbols = self._var("_S")
+    def enum(self, schema: dict[str, Any], out: str) -> Code:
+        symbols = self.var("_S")
         self.env[symbols] = tuple(schema["symbols"])
         return [
             *self._long(out),
@@ -225,47 +170,36 @@ class _Compiler:
             f"{out} = {symbols}[{out}]",
         ]
 
-    def _fixed(self, schema: dict[str, Any], out: str) -> Code:
+    def fixed(self, schema: dict[str, Any], out: str) -> Code:
         size = int(schema["size"])
         return [f"{out} = b[p:p + {size}]", f"p += {size}"]
 
-    def _union(self, branches: list[Any], out: str, namespace: str) -> Code:
-        index = self._var("u")
+    def union(self, branches: list[Any], out: str, namespace: str) -> Code:
+        index = self.var("u")
         stmts = self._long(index)
         for i, branch in enumerate(branches):
-            stmts += [f"{'elif' if i else 'if'} {index} == {i}:", *_indent(self._value(branch, out, namespace))]
+            stmts += [f"{'elif' if i else 'if'} {index} == {i}:", *indent(self.value(branch, out, namespace))]
         return [*stmts, "else:", "    raise _Reject"]
 
-    def _blocks(self, schema: dict[str, Any], out: str, namespace: str) -> Code:
+    def blocks(self, schema: dict[str, Any], out: str, namespace: str) -> Code:
         """Blocks of items until a zero count; a negative count is followed by the block's size in bytes."""
-        count, size, item = self._var("c"), self._var("z"), self._var("i")
+        count, size, item = self.var("c"), self.var("z"), self.var("i")
         if schema["type"] == "array":
-            start, read, add = f"{out} = []", self._value(schema["items"], item, namespace), f"{out}.append({item})"
+            start, read, add = f"{out} = []", self.value(schema["items"], item, namespace), f"{out}.append({item})"
         else:
-            key = self._var("k")
-            read = self._primitive("string", key) + self._value(schema["values"], item, namespace)
+            key = self.var("k")
+            read = self.primitive("string", key) + self.value(schema["values"], item, namespace)
             start, add = f"{out} = {{}}", f"{out}[{key}] = {item}"
         return [
             start,
             "while True:",
-            *_indent(self._long(count)),
+            *indent(self._long(count)),
             f"    if not {count}:",
             "        break",
             f"    if {count} < 0:",
             f"        {count} = -{count}",
-            *_indent(self._long(size), 8),
+            *indent(self._long(size), 8),
             f"    for _ in range({count}):",
-            *_indent(read, 8),
+            *indent(read, 8),
             f"        {add}",
         ]
-
-    def _primitive_kind(self, schema: Any) -> str | None:
-        if isinstance(schema, str):
-            return schema if schema in _PRIMITIVES else None
-        if isinstance(schema, dict) and schema.get("type") in _PRIMITIVES and "logicalType" not in schema:
-            return str(schema["type"])
-        return None
-
-
-def _indent(lines: list[str], by: int = 4) -> list[str]:
-    return [" " * by + line for line in lines]

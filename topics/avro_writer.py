@@ -21,17 +21,14 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from topics.avro_codegen import SchemaCompiler, UnsupportedSchema, indent, primitive_kind
+
 __all__ = ["RecordWriter", "UnsupportedSchema", "compile_writer", "zigzag_long"]
 
 RecordWriter = Callable[[Any], bytes]
 
 _LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
-_PRIMITIVES = frozenset(("null", "boolean", "int", "long", "float", "double", "bytes", "string"))
-
-
-class UnsupportedSchema(Exception):
-    """The schema uses something this writer does not generate code for; use fastavro for it."""
 
 
 class _Mismatch(Exception):
@@ -98,7 +95,7 @@ def compile_writer(schema: Any, prefix: bytes = b"") -> RecordWriter:
 Code = tuple[list[str], list[str]]  # (statements, expressions of the byte strings they produce, in order)
 
 
-class _Compiler:
+class _Compiler(SchemaCompiler[Code]):
     """Generates straight-line code that gathers a record's byte strings and joins them once.
 
     Records are inlined where they are defined; each also gets a function returning its bytes, for
@@ -107,72 +104,50 @@ class _Compiler:
     """
 
     def __init__(self) -> None:
-        self.functions: list[str] = []
-        self.names: dict[str, str] = {}  # full record name -> its function's name
-        self.named: dict[str, Any] = {}  # full name -> schema, for references by name
-        self.env: dict[str, Any] = {
-            "_Mismatch": _Mismatch,
-            "_long": zigzag_long,
-            "_varint": _varint,
-            "_wide_varint": _wide_varint,
-            "_SMALL": _SMALL,
-            "_LEN": _LEN,
-            "_pack_d": struct.Struct("<d").pack,
-            "_pack_f": struct.Struct("<f").pack,
-        }
-        self.counter = 0
+        super().__init__(
+            {
+                "_Mismatch": _Mismatch,
+                "_long": zigzag_long,
+                "_varint": _varint,
+                "_wide_varint": _wide_varint,
+                "_SMALL": _SMALL,
+                "_LEN": _LEN,
+                "_pack_d": struct.Struct("<d").pack,
+                "_pack_f": struct.Struct("<f").pack,
+            }
+        )
 
     def build(self, schema: Any, prefix: bytes) -> RecordWriter:
         if not isinstance(schema, dict) or schema.get("type") != "record":
             raise UnsupportedSchema("only record schemas get a writer")
         self.env["_PREFIX"] = bytes(prefix)
-        stmts, parts = self._record(schema, "r", "")
-        body = [*_indent(stmts), f"    return b''.join((_PREFIX, {', '.join(parts)}))"]
-        source = "\n".join([*self.functions, "def write(r):", *body, ""])
-        self.env["__source__"] = source
-        exec(compile(source, f"<avro writer {schema['name']}>", "exec"), self.env)
-        return self.env["write"]
+        stmts, parts = self.record(schema, "r", "")
+        body = ["def write(r):", *indent(stmts), f"    return b''.join((_PREFIX, {', '.join(parts)}))"]
+        return self.finish(body, f"avro writer {schema['name']}")
 
-    def _var(self, stem: str) -> str:
-        self.counter += 1
-        return f"{stem}{self.counter}"
-
-    @staticmethod
-    def _full_name(schema: dict[str, Any], namespace: str) -> str:
-        name = str(schema["name"])
-        space = schema.get("namespace", namespace)
-        return name if "." in name or not space else f"{space}.{name}"
-
-    def _define(self, schema: dict[str, Any], namespace: str) -> str:
-        full = self._full_name(schema, namespace)
-        if full in self.named:
-            raise UnsupportedSchema(f"named type {full} defined twice")
-        self.named[full] = schema
-        return full
-
-    def _record(self, schema: dict[str, Any], value: str, namespace: str) -> Code:
+    def record(self, schema: dict[str, Any], value: str, namespace: str) -> Code:
         """A record defined here: its fields inline, plus a function `_wN(r) -> bytes` for later references."""
-        full = self._define(schema, namespace)
-        self.names[full] = func = self._var("_w")
+        full = self.define(schema, namespace)
+        self.names[full] = func = self.var("_w")
         stmts = [f"if type({value}) is not dict:", "    raise _Mismatch"]  # fastavro fills defaults etc.
         parts: list[str] = []
         floats: list[tuple[str, str]] = []  # adjacent float/double fields: one struct.pack call for all of them
         for field in schema["fields"]:
-            kind = self._primitive_kind(field["type"])
+            kind = primitive_kind(field["type"])
             item = f"{value}[{field['name']!r}]"
             if kind != "string":  # a string is read once, other values more often
-                stmts.append(f"{(item := self._var('v'))} = {value}[{field['name']!r}]")
+                stmts.append(f"{(item := self.var('v'))} = {value}[{field['name']!r}]")
             if kind in ("double", "float"):
                 stmts += [f"if type({item}) is not float:", "    raise _Mismatch"]
                 floats.append(("d" if kind == "double" else "f", item))
                 continue
             parts += self._pack(floats)
-            more, produced = self._value(field["type"], item, full.rpartition(".")[0])
+            more, produced = self.value(field["type"], item, full.rpartition(".")[0])
             stmts += more
             parts += produced
         parts += self._pack(floats)
         joined = f"b''.join(({', '.join(parts)},))" if parts else "b''"
-        self.functions += [f"def {func}({value}):", *_indent(stmts), f"    return {joined}", ""]
+        self.functions += [f"def {func}({value}):", *indent(stmts), f"    return {joined}", ""]
         return stmts, parts
 
     def _pack(self, floats: list[tuple[str, str]]) -> list[str]:
@@ -186,45 +161,16 @@ class _Compiler:
         floats.clear()
         return [call]
 
-    def _value(self, schema: Any, value: str, namespace: str) -> Code:
-        """Code that checks the variable `value` and produces its encoding."""
-        if isinstance(schema, list):
-            return self._union(schema, value, namespace)
-        if isinstance(schema, str):
-            return self._primitive(schema, value) if schema in _PRIMITIVES else self._ref(schema, value)
-        if not isinstance(schema, dict):
-            raise UnsupportedSchema(f"not an Avro schema: {schema!r}")
-        if "logicalType" in schema:
-            raise UnsupportedSchema("logical types are converted by fastavro; no generated writer")
-        kind = schema["type"]
-        if isinstance(kind, dict | list):
-            return self._value(kind, value, namespace)
-        if kind in _PRIMITIVES:
-            return self._primitive(kind, value)
-        if kind == "record":
-            return self._record(schema, value, namespace)
-        if kind == "enum":
-            self._define(schema, namespace)
-            return self._enum(schema, value)
-        if kind == "fixed":
-            self._define(schema, namespace)
-            return self._fixed(schema, value)
-        if kind in ("array", "map"):
-            return self._blocks(schema, value, namespace)
-        if isinstance(kind, str):
-            return self._ref(kind, value)
-        raise UnsupportedSchema(f"not an Avro schema: {schema!r}")
-
-    def _blocks(self, schema: dict[str, Any], value: str, namespace: str) -> Code:
+    def blocks(self, schema: dict[str, Any], value: str, namespace: str) -> Code:
         """An array or map as fastavro writes it: one block of all items (if any), then a zero count."""
-        out, item = self._var("a"), self._var("i")
+        out, item = self.var("a"), self.var("i")
         if schema["type"] == "array":
-            more, parts = self._value(schema["items"], item, namespace)
+            more, parts = self.value(schema["items"], item, namespace)
             loop = [f"for {item} in {value}:"]
         else:
-            key = self._var("k")
+            key = self.var("k")
             key_stmts, key_parts = self._string(key)
-            more, parts = self._value(schema["values"], item, namespace)
+            more, parts = self.value(schema["values"], item, namespace)
             more, parts = key_stmts + more, key_parts + parts
             loop = [f"for {key}, {item} in {value}.items():"]
         stmts = [
@@ -233,7 +179,7 @@ class _Compiler:
             f"if {value}:",
             f"    {out} = [_long(len({value}))]",
             f"    {loop[0]}",
-            *_indent(more, 8),
+            *indent(more, 8),
             f"        {out} += ({', '.join(parts)},)" if parts else "        pass",
             f"    {out}.append(b'\\x00')",
             f"    {out} = b''.join({out})",
@@ -242,22 +188,16 @@ class _Compiler:
         ]
         return stmts, [out]
 
-    def _ref(self, name: str, value: str) -> Code:
-        """A named type used again; names are full in the expanded schemas SchemaSet hands out."""
-        schema = self.named.get(name)
-        if schema is None:
-            raise UnsupportedSchema(f"unknown or relative named type {name}")
-        if schema["type"] == "record":
-            return [], [f"{self.names[name]}({value})"]
-        return self._enum(schema, value) if schema["type"] == "enum" else self._fixed(schema, value)
+    def record_ref(self, name: str, value: str) -> Code:
+        return [], [f"{self.names[name]}({value})"]
 
-    def _primitive(self, kind: str, value: str) -> Code:
+    def primitive(self, kind: str, value: str) -> Code:
         if kind == "null":
             return [], []  # fastavro writes nothing for a null, whatever the value
         if kind == "boolean":
             return [], [f"(b'\\x01' if {value} else b'\\x00')"]  # truthiness, as fastavro's C bint
         if kind in ("int", "long"):  # fastavro writes both as a 64-bit varint, without an int32 range check
-            zz = self._var("z")
+            zz = self.var("z")
             return [
                 f"if type({value}) is not int or not {_LONG_MIN} <= {value} <= {_LONG_MAX}:",
                 "    raise _Mismatch",
@@ -272,46 +212,46 @@ class _Compiler:
 
     def _string(self, value: str) -> Code:
         # str.encode() as fastavro does: a non-str raises (fastavro: TypeError), lone surrogates raise
-        raw = self._var("b")
+        raw = self.var("b")
         return [f"{raw} = {value}.encode()"], [self._length(raw), raw]
 
     @staticmethod
     def _length(raw: str) -> str:
         return f"_LEN[len({raw})]"
 
-    def _enum(self, schema: dict[str, Any], value: str) -> Code:
-        table = self._var("_E")
+    def enum(self, schema: dict[str, Any], value: str) -> Code:
+        table = self.var("_E")
         self.env[table] = {symbol: zigzag_long(i) for i, symbol in enumerate(schema["symbols"])}
         # a plain str only: list.index (fastavro) and a dict lookup agree on those; anything else goes to fastavro
         return [f"if type({value}) is not str:", "    raise _Mismatch"], [f"{table}[{value}]"]
 
-    def _fixed(self, schema: dict[str, Any], value: str) -> Code:
+    def fixed(self, schema: dict[str, Any], value: str) -> Code:
         return [f"if type({value}) is not bytes or len({value}) != {int(schema['size'])}:", "    raise _Mismatch"], [
             value
         ]
 
-    def _union(self, branches: list[Any], value: str, namespace: str = "") -> Code:
+    def union(self, branches: list[Any], value: str, namespace: str = "") -> Code:
         """null + at most one primitive: the branch is the one fastavro's validation picks for these exact types.
 
         Also null + one record (a dict; a dict the record does not take raises _Mismatch, and fastavro decides).
         """
         if len(branches) == 2 and "null" in branches and self._is_record(branches[1 - branches.index("null")]):
             null, record = branches.index("null"), 1 - branches.index("null")
-            out = self._var("u")
-            more, parts = self._value(branches[record], value, namespace)
+            out = self.var("u")
+            more, parts = self.value(branches[record], value, namespace)
             return [
                 f"if {value} is None:",
                 f"    {out} = {zigzag_long(null)!r}",
                 f"elif type({value}) is dict:",
-                *_indent(more),
+                *indent(more),
                 f"    {out} = b''.join(({zigzag_long(record)!r}, {', '.join(parts)}))",
                 "else:",
                 "    raise _Mismatch",
             ], [out]
-        kinds = [self._primitive_kind(b) for b in branches]
+        kinds = [primitive_kind(b) for b in branches]
         if len(branches) > 2 or None in kinds or len(set(kinds)) != len(kinds):
             raise UnsupportedSchema(f"union {branches!r}: only null + one primitive type get a writer")
-        out = self._var("u")
+        out = self.var("u")
         stmts: list[str] = []
         for index, kind in enumerate(kinds):
             test = {
@@ -324,8 +264,8 @@ class _Compiler:
                 "bytes": f"type({value}) is bytes",
                 "string": f"type({value}) is str",
             }[str(kind)]
-            more, parts = self._primitive(str(kind), value)
-            stmts += [f"{'elif' if index else 'if'} {test}:", *_indent(more)]
+            more, parts = self.primitive(str(kind), value)
+            stmts += [f"{'elif' if index else 'if'} {test}:", *indent(more)]
             stmts.append(f"    {out} = b''.join(({zigzag_long(index)!r}, {', '.join(parts)}))" if parts else
                          f"    {out} = {zigzag_long(index)!r}")  # fmt: skip
         return [*stmts, "else:", "    raise _Mismatch"], [out]
@@ -334,15 +274,3 @@ class _Compiler:
         if isinstance(schema, str):
             return self.named.get(schema, {}).get("type") == "record"
         return isinstance(schema, dict) and schema.get("type") == "record"
-
-    @staticmethod
-    def _primitive_kind(schema: Any) -> str | None:
-        if isinstance(schema, str):
-            return schema if schema in _PRIMITIVES else None
-        if isinstance(schema, dict) and schema.get("type") in _PRIMITIVES and "logicalType" not in schema:
-            return str(schema["type"])
-        return None
-
-
-def _indent(lines: list[str], by: int = 4) -> list[str]:
-    return [" " * by + line for line in lines]
