@@ -228,14 +228,20 @@ def latency(ctx: Context) -> bool:
     return check.ok
 
 
+async def _load_producer(settings: Settings, client_id: str) -> AIOKafkaProducer:
+    """A started producer for the latency run's paced load (LOAD_LINGER_MS)."""
+    producer = AIOKafkaProducer(**producer_config(settings, client_id=client_id, linger_ms=LOAD_LINGER_MS))
+    await producer.start()
+    return producer
+
+
 async def _warm_up(
     settings: Settings, rate: float, duration: float, sessions: int, expectation: WeavingExpectation
 ) -> None:
     """The latency run's load for `duration` s, steps of its own, not timed: the broker's JIT compiler, the worker's
     and the sink's caches, and ClickHouse's parts reach their steady state before anything is measured."""
     plan = weaving_plan(rate, sessions=sessions, seed=5, duration_s=duration)
-    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-warm-up", linger_ms=LOAD_LINGER_MS))
-    await producer.start()
+    producer = await _load_producer(settings, "bench-warm-up")
     try:
         await send_paced(producer, plan, _topics(settings), PacedRun(), expectation)
     finally:
@@ -258,8 +264,7 @@ async def _live(settings: Settings, rate: float, duration: float, sessions: int,
     for tail in (seen.receipts, seen.published):
         await tail.start()
     load_done, polled = asyncio.Event(), asyncio.Event()
-    producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-paced", linger_ms=LOAD_LINGER_MS))
-    await producer.start()
+    producer = await _load_producer(settings, "bench-paced")
     try:
         tails = [asyncio.create_task(tail.run(polled)) for tail in (seen.receipts, seen.published)]
         poller = asyncio.create_task(seen.poller.run(load_done))

@@ -92,14 +92,14 @@ class Settings(BaseModel):
         default=1000,
         description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (about: one fetch).",
     )
+    process_batch_seconds: float = Field(
+        default=0.05,
+        description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
+    )
     output_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="zstd",
         description="TREADLE_OUTPUT_COMPRESSION: compression of the record batches a worker produces (outputs and "
         "table changelogs); none, gzip, snappy, lz4 or zstd.",
-    )
-    process_batch_seconds: float = Field(
-        default=0.05,
-        description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
     )
     reward_policy: Path | None = Field(
         default=None,
