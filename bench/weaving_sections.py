@@ -27,7 +27,7 @@ from bench.weaving_report import (
     sink_inserts,
     soak_table,
 )
-from bench.worker_bench import BenchWorker, backlog_catch_up, consume_baseline, cpu_notes, py_spy, stop_spy
+from bench.worker_bench import BenchWorker, InputRecord, backlog_catch_up, consume_baseline, cpu_notes, py_spy, stop_spy
 from bench.workload import (
     KIND_OF,
     REWARD,
@@ -146,8 +146,12 @@ def throughput(ctx: Context) -> bool:
     return complete
 
 
-def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list, WeavingExpectation, str]:
-    """(topic, key, value) of the workload and its sentinels, its expectation, and a line saying what it is."""
+def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list[InputRecord], WeavingExpectation, str]:
+    """The workload's input records and its sentinels, its expectation, and a line saying what it is.
+
+    Each record's Kafka timestamp is when the plan sends it (its event time), as a live producer would have left
+    it: the backlog is what a worker finds after downtime, not 25 s of traffic produced in two.
+    """
     plan = list(weaving_plan(5000.0, sessions=sessions, seed=7, events=n))
     span = plan[-1].at_s
     last_deadline = max(w + g for w, g in WINDOWS.values())
@@ -156,8 +160,9 @@ def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list, WeavingEx
     codec, seqs, expectation, topics = AvroCodec(), {}, WeavingExpectation(), _topics(settings)
     events = []
     for item in plan + tail:
-        value = item.encode(codec, origin_us + int(item.at_s * 1e6), seqs)
-        events.append((topics[item.schema], item.session_id.encode(), value))
+        sent_us = origin_us + int(item.at_s * 1e6)
+        value = item.encode(codec, sent_us, seqs)
+        events.append(InputRecord(topics[item.schema], item.session_id.encode(), value, sent_us // 1000))
     for item in plan:
         expectation.sent(item)
     duplicates = sum(1 for item in plan if item.original is not None)

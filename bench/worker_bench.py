@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -39,6 +40,15 @@ VISIBLE_SQL = (
     "(SELECT sum(revision) FROM transitions_latest) AS revisions, "
     "(SELECT count() FROM raw_events_latest) AS raw_events"
 )
+
+
+class InputRecord(NamedTuple):
+    """An input record to produce. `timestamp_ms`: its Kafka timestamp; None leaves it to the producer's clock."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    timestamp_ms: int | None = None
 
 
 class BenchWorker(WorkerProcess):
@@ -103,7 +113,7 @@ class Watch:
 async def _drive(
     settings: Settings,
     expected: dict[str, int],
-    events: list[tuple[str, bytes, bytes]],
+    events: list[InputRecord],
     timeout: float,
     late: frozenset[str] = frozenset(),
 ):
@@ -127,7 +137,7 @@ async def _drive(
         partitions = [TopicPartition(name, p) for name in watched for p in range(settings.partitions)]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
-        for name in {name for name, _, _ in events}:
+        for name in {record.topic for record in events}:
             await producer.partitions_for(name)
         started = time.perf_counter()
 
@@ -187,13 +197,13 @@ def _read_late(codec: AvroCodec, messages, pending: set[str], late: frozenset[st
             watch.late_unexpected += 1
 
 
-async def _send_all(producer: AIOKafkaProducer, events: list[tuple[str, bytes, bytes]]) -> None:
-    for name, key, value in events:
-        await producer.send(name, value, key=key)
+async def _send_all(producer: AIOKafkaProducer, events: list[InputRecord]) -> None:
+    for record in events:
+        await producer.send(record.topic, record.value, key=record.key, timestamp_ms=record.timestamp_ms)
     await producer.flush()
 
 
-async def _preload(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> None:
+async def _preload(settings: Settings, events: list[InputRecord]) -> None:
     producer = AIOKafkaProducer(**producer_config(settings, client_id="bench-backlog"))
     await producer.start()
     try:
@@ -213,7 +223,7 @@ class CatchUp:
 
 def backlog_catch_up(
     settings: Settings,
-    events: list[tuple[str, bytes, bytes]],
+    events: list[InputRecord],
     expected: dict[str, int],
     *,
     pin: bool,
@@ -256,7 +266,7 @@ def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
 
 
 def _backlog_run(
-    settings: Settings, steps: list[Step], events: list[tuple[str, bytes, bytes]], pin: bool, timeout: float, argv
+    settings: Settings, steps: list[Step], events: list[InputRecord], pin: bool, timeout: float, argv
 ) -> Measurement:
     """The same workload already in Kafka when the worker starts: its catch-up rate, timed from "ready" to
     the last final Transition, with no load generator competing for the broker's core."""
@@ -368,7 +378,7 @@ def worker_section(
     codec = AvroCodec()
     catalog = TopicCatalog(settings)
     steps = make_steps(events, sessions, seed=7)
-    encoded = [(catalog[kind].name, key, value) for kind, key, value in encoded_events(steps, codec)]
+    encoded = [InputRecord(catalog[kind].name, key, value) for kind, key, value in encoded_events(steps, codec)]
     n = len(encoded)
     info: list[str] = []
 
