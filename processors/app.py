@@ -50,6 +50,7 @@ OUTPUT_TOPICS = {
 
 KEY_HASH_CACHE = 100_000  # session keys whose murmur2 is remembered
 PRODUCER_BATCH_BYTES = 512 * 1024  # per output partition; one intake batch's outputs fit without waiting
+POLL_RECORDS = 200  # records one getmany hands out (an intake batch reads several)
 
 
 def faust_broker_url(bootstrap_servers: str) -> str:
@@ -190,7 +191,9 @@ def build_pipeline(
         # The step changelog is most of what a worker writes to Kafka (~2.5 records of ~2.7 KB of JSON per step);
         # zstd shrinks those batches ~8x, for the broker's disk and CPU and for recovery (TREADLE_OUTPUT_COMPRESSION).
         producer_compression_type=None if settings.output_compression == "none" else settings.output_compression,
-        broker_max_poll_records=settings.process_batch_size,  # the most records one intake batch folds
+        # Records one getmany hands out: a batch (TREADLE_PROCESS_BATCH_SIZE) is read in several, and each picks the
+        # input partitions to read again, so co-partitioned inputs stay in step (processors/input_alignment.py).
+        broker_max_poll_records=min(settings.process_batch_size, POLL_RECORDS),
     )
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
@@ -220,7 +223,9 @@ def build_pipeline(
             await app.crash(exc)
             raise
 
-    app.deliver_in_batches(inputs, intake, settings.process_batch_size, settings.process_batch_seconds)
+    app.deliver_in_batches(
+        inputs, intake, settings.process_batch_size, settings.process_batch_seconds, settings.input_max_skew_s
+    )
     return pipeline
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from processors.input_alignment import InputAlignment, records_left
 from streams.batching import DeliveryCallback, PartitionBatcher
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class ResumingConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
 
 class ResumingConsumer(faust_aiokafka.Consumer):
     _fetched: dict[Any, tuple[int, int]]  # the batch getmany is handing out: tp -> (first, last offset)
+    _alignment: InputAlignment | None = None  # of the batch topics, once the app has them
+    _aligned_generation: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -112,22 +115,22 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     async def _drain_messages(self, fetcher: Any) -> None:
         """Faust's fetch loop, with records of batch topics handed over a batch at a time.
 
-        A batch is one fetch, topped up by more fetches for up to the app's `batch_linger_s` while input
-        trickles in (fewer, larger batches: fewer intermediate revisions to emit), never past
-        `batch_max_records`, and never once the flow stops: a rebalance waits for the batch's acks.
+        A batch is what the fetches brought, read a getmany at a time (each picks the input partitions again,
+        processors/input_alignment.py), topped up for up to the app's `batch_linger_s` while input trickles in
+        (fewer, larger batches: fewer intermediate revisions to emit), never past `batch_max_records`, and never
+        once the flow stops: a rebalance waits for the batch's acks.
         """
         app: ResumingApp = self.app  # type: ignore[assignment]
         try:
             while not (self.should_stop or fetcher.should_stop):
                 batch: list[Any] = []
                 await self._read_into(batch, 1.0)
-                if batch and app.batch_linger_s > 0:
-                    deadline = time.monotonic() + app.batch_linger_s
-                    while len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            break
-                        await self._read_into(batch, left)
+                deadline = time.monotonic() + app.batch_linger_s
+                while batch and len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
+                    had = len(batch)
+                    await self._read_into(batch, max(0.0, deadline - time.monotonic()))
+                    if len(batch) == had and time.monotonic() >= deadline:
+                        break  # nothing more fetched, and the linger is over
                 if batch:
                     await self._deliver(app.batch_handler, batch)
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
@@ -143,6 +146,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
         batch_topics = self.app.batch_topics  # type: ignore[attr-defined]
         read_offset = self._read_offset
+        alignment = self._input_alignment()
         async for tp, message in self.getmany(timeout=timeout):
             offset = message.offset
             last = read_offset[tp]
@@ -153,6 +157,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             if tp.topic in batch_topics:
                 self._unacked_messages.add(message)  # a rebalance waits until it is acked
                 batch.append(message)
+                alignment.read(tp, message.timestamp)
             else:
                 await self.wait_first(self.callback(message), self.suspend_flow.wait())
             read_offset[tp] = offset
@@ -175,6 +180,26 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         app: ResumingApp = self.app  # type: ignore[assignment]
         await app._before_commit()
         return await super()._commit_tps(tps, start_new_transaction)
+
+    def _input_alignment(self) -> InputAlignment:
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        if self._alignment is None or self._alignment.topics != app.batch_topics:
+            self._alignment = InputAlignment(app.batch_topics, app.input_max_skew_s)
+        return self._alignment
+
+    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:
+        """Faust's fetch of the active partitions, less input partitions that read ahead of their co-partitioned
+        inputs (processors/input_alignment.py)."""
+        alignment = self._input_alignment()
+        if self.app.consumer_generation_id != self._aligned_generation:
+            alignment.reset()  # a new assignment: positions start over
+            self._aligned_generation = self.app.consumer_generation_id
+        if active_partitions:
+            consumer = self._thread._consumer  # type: ignore[attr-defined]  # aiokafka's, None before it starts
+            active_partitions = alignment.readable(
+                active_partitions, lambda tp: records_left(consumer, tp), time.monotonic()
+            )
+        return await super()._getmany(active_partitions, timeout)
 
     def _new_consumer_thread(self) -> ResumingConsumerThread:
         return ResumingConsumerThread(self, loop=self.loop, beacon=self.beacon)
@@ -263,6 +288,7 @@ class ResumingApp(faust.App):
     batch_handler: BatchHandler | None = None
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
+    input_max_skew_s: float = 1.0  # how far (record time) an input partition may read ahead of its co-partitioned ones
     # Run, in order, before every offset commit, when a rebalance revokes partitions and when the consumer stops:
     # held-back table writes (processors/write_behind.py) reach the tables while this worker still owns them.
     before_commit: list[Callable[[], Awaitable[None]]]
@@ -285,17 +311,24 @@ class ResumingApp(faust.App):
             await hook()
 
     def deliver_in_batches(
-        self, topic: faust.TopicT, handler: BatchHandler, max_records: int = 1000, linger_s: float = 0.0
+        self,
+        topic: faust.TopicT,
+        handler: BatchHandler,
+        max_records: int = 1000,
+        linger_s: float = 0.0,
+        max_skew_s: float = 1.0,
     ) -> None:
         """Consume `topic` (one or more topic names) without an agent: `handler` gets the records in batches.
 
         A batch is what one fetch returned, topped up for up to `linger_s` while fewer than `max_records`
-        (a fetch returns at most broker_max_poll_records, so a batch may pass `max_records` by one fetch).
+        (a fetch returns at most broker_max_poll_records, so a batch may pass `max_records` by one fetch). The topics'
+        partitions are read in step by record time, `max_skew_s` apart at most (processors/input_alignment.py).
         """
         self.batch_topics = frozenset(topic.topics)
         self.batch_handler = handler
         self.batch_max_records = max_records
         self.batch_linger_s = linger_s
+        self.input_max_skew_s = max_skew_s
         self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
 
     def _new_transport(self) -> ResumingTransport:

@@ -96,6 +96,12 @@ class Settings(BaseModel):
         default=0.05,
         description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
     )
+    input_max_skew_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="TREADLE_INPUT_MAX_SKEW_S: how far (record timestamps) an input topic's partition may read ahead "
+        "of a co-partitioned one with records left, e.g. catching up a backlog; inf = read them as fetched.",
+    )
     output_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="zstd",
         description="TREADLE_OUTPUT_COMPRESSION: compression of the record batches a worker produces (outputs and "

@@ -1,0 +1,94 @@
+"""Which input partitions the next fetch may read: co-partitioned input topics are read in step, by record time.
+
+A step's dispatch, tool results and rewards come on different topics, co-partitioned by session. Faust hands out
+whatever each fetch returned, one partition after the other, and a fetch takes up to 1 MiB per partition. With
+a backlog (a worker catching up after downtime or a rebalance) one input topic ran up to 16 s of event time ahead
+of the others (weaving bench, throughput run): every step's dispatch was folded long before its tool result and
+rewards, so steps published an extra revision, were written to their table more often, and dropped out of the
+parsed-state cache before their rewards came; the watermark, the minimum over the topics, waited for the
+slowest one meanwhile.
+
+Kafka Streams reads the partitions of a task in timestamp order for the same reason (KIP-353). Here an input
+partition is left out of the next getmany while its last record read is more than `max_skew_s` (record
+timestamps) ahead of a co-partitioned input partition that has records left to read, or that has records and
+none read yet. What it fetched waits in aiokafka's buffer, and aiokafka fetches it no further meanwhile, so the
+held-back data is bounded by one fetch. A partition with records left that delivers none (its fetches fail, or
+are slow) holds the others back for at most `max_wait_s` without progress, then everything is read as fetched
+(Kafka Streams' max.task.idle.ms and "enforced processing").
+
+Record timestamps are the producers' clocks (treadle's SDK leaves them to Kafka), which follow event time for
+live producers; for a backlog, they are its send order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Set
+from dataclasses import dataclass, field
+from typing import Any
+
+TopicPartition = Any  # faust's TP or aiokafka's TopicPartition: a (topic, partition) named tuple
+
+
+@dataclass
+class InputAlignment:
+    """Per-partition read positions in record time of the `topics` (co-partitioned), and what may be read next."""
+
+    topics: frozenset[str]
+    max_skew_s: float = 1.0
+    max_wait_s: float = 2.0
+    _heads: dict[TopicPartition, float] = field(default_factory=dict)  # timestamp (s) of the last record read
+    _held: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> (its floor, held since)
+
+    def read(self, tp: TopicPartition, timestamp_s: float) -> None:
+        """A record of `tp` with this timestamp was handed out (in offset order)."""
+        self._heads[tp] = timestamp_s
+
+    def reset(self) -> None:
+        """Forget every position: the assignment changed, or partitions were seeked."""
+        self._heads.clear()
+        self._held.clear()
+
+    def readable(
+        self, active: Set[TopicPartition], has_more: Callable[[TopicPartition], bool], now: float
+    ) -> Set[TopicPartition]:
+        """The partitions of `active` the next getmany may read; `has_more(tp)`: records past those read exist.
+
+        Partitions of other topics are always readable; so is every partition when alignment is off (inf).
+        """
+        if math.isinf(self.max_skew_s):
+            return active
+        groups: dict[int, list[TopicPartition]] = defaultdict(list)
+        for tp in active:
+            if tp.topic in self.topics:
+                groups[tp.partition].append(tp)
+        held: set[TopicPartition] = set()
+        for partition, tps in groups.items():
+            floor = self._floor(tps, has_more)
+            ahead = [tp for tp in tps if floor is not None and self._heads.get(tp, -math.inf) > floor + self.max_skew_s]
+            if not ahead:
+                self._held.pop(partition, None)
+                continue
+            before = self._held.get(partition)
+            if before is None or floor > before[0]:  # (first held, or) the laggard made progress: wait anew
+                before = self._held[partition] = (floor, now)
+            if now - before[1] <= self.max_wait_s:
+                held.update(ahead)
+        return active - held if held else active
+
+    def _floor(self, tps: list[TopicPartition], has_more: Callable[[TopicPartition], bool]) -> float | None:
+        """Where the partition's slowest input with records left stands (-inf: one has none read yet); None when
+        no input has records left."""
+        behind = [self._heads.get(tp, -math.inf) for tp in tps if has_more(tp)]
+        return min(behind) if behind else None
+
+
+def records_left(consumer: Any, tp: TopicPartition) -> bool:
+    """Whether `tp` has records past those aiokafka handed out: its consumed position is below the last highwater
+    a fetch reported. False while either is unknown (not assigned, not fetched yet, `consumer` None)."""
+    subscription = consumer._subscription.subscription if consumer is not None else None
+    state = subscription.assignment.state_value(tp) if subscription is not None else None
+    if state is None or state.highwater is None or not state.has_valid_position:
+        return False
+    return bool(state.position < state.highwater)
