@@ -320,9 +320,9 @@ class ResumingApp(faust.App):
     ) -> None:
         """Consume `topic` (one or more topic names) without an agent: `handler` gets the records in batches.
 
-        A batch is what one fetch returned, topped up for up to `linger_s` while fewer than `max_records`
-        (a fetch returns at most broker_max_poll_records, so a batch may pass `max_records` by one fetch). The topics'
-        partitions are read in step by record time, `max_skew_s` apart at most (processors/input_alignment.py).
+        A batch is what the fetches brought, read a getmany (at most broker_max_poll_records) at a time, topped up
+        for up to `linger_s` while fewer than `max_records` (so it may pass `max_records` by one getmany). The
+        topics' partitions are read in step by record time, `max_skew_s` apart at most (processors/input_alignment.py).
         """
         self.batch_topics = frozenset(topic.topics)
         self.batch_handler = handler

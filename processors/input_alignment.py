@@ -2,11 +2,11 @@
 
 A step's dispatch, tool results and rewards come on different topics, co-partitioned by session. Faust hands out
 whatever each fetch returned, one partition after the other, and a fetch takes up to 1 MiB per partition. With
-a backlog (a worker catching up after downtime or a rebalance) one input topic ran up to 16 s of event time ahead
-of the others (weaving bench, throughput run): every step's dispatch was folded long before its tool result and
-rewards, so steps published an extra revision, were written to their table more often, and dropped out of the
-parsed-state cache before their rewards came; the watermark, the minimum over the topics, waited for the
-slowest one meanwhile.
+a backlog (a worker catching up after downtime or a rebalance) one input topic's partition ran more than 10 s of
+event time ahead of the others (weaving bench, throughput run): every step's dispatch was folded long before its
+tool result and rewards, so steps published an extra revision, were written to their table more often, and
+dropped out of the parsed-state cache before their rewards came; the watermark, the minimum over the topics,
+waited for the slowest one meanwhile.
 
 Kafka Streams reads the partitions of a task in timestamp order for the same reason (KIP-353). Here an input
 partition is left out of the next getmany while its last record read is more than `max_skew_s` (record
