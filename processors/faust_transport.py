@@ -45,7 +45,7 @@ from typing import Any
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
-from processors.input_alignment import InputAlignment, records_left
+from processors.input_alignment import MAX_SKEW_S, InputAlignment, records_left
 from streams.batching import DeliveryCallback, PartitionBatcher
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class ResumingApp(faust.App):
     batch_handler: BatchHandler | None = None
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
-    input_max_skew_s: float = 1.0  # how far (record time) an input partition may read ahead of its co-partitioned ones
+    input_max_skew_s: float = MAX_SKEW_S  # how far (record time) an input partition may read ahead of the others
     # Run, in order, before every offset commit, when a rebalance revokes partitions and when the consumer stops:
     # held-back table writes (processors/write_behind.py) reach the tables while this worker still owns them.
     before_commit: list[Callable[[], Awaitable[None]]]
@@ -316,7 +316,7 @@ class ResumingApp(faust.App):
         handler: BatchHandler,
         max_records: int = 1000,
         linger_s: float = 0.0,
-        max_skew_s: float = 1.0,
+        max_skew_s: float = MAX_SKEW_S,
     ) -> None:
         """Consume `topic` (one or more topic names) without an agent: `handler` gets the records in batches.
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TopicPartition = Any  # faust's TP or aiokafka's TopicPartition: a (topic, partition) named tuple
+MAX_SKEW_S = 1.0  # TREADLE_INPUT_MAX_SKEW_S's default
 
 
 @dataclass
@@ -36,10 +37,10 @@ class InputAlignment:
     """Per-partition read positions in record time of the `topics` (co-partitioned), and what may be read next."""
 
     topics: frozenset[str]
-    max_skew_s: float = 1.0
+    max_skew_s: float = MAX_SKEW_S
     max_wait_s: float = 2.0
     _heads: dict[TopicPartition, float] = field(default_factory=dict)  # timestamp (s) of the last record read
-    _held: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> (its floor, held since)
+    _held: dict[int, tuple[float, float]] = field(default_factory=dict)  # partition -> (its limit, held since)
 
     def read(self, tp: TopicPartition, timestamp_s: float) -> None:
         """A record of `tp` with this timestamp was handed out (in offset order)."""
@@ -66,13 +67,14 @@ class InputAlignment:
         held: set[TopicPartition] = set()
         for partition, tps in groups.items():
             floor = self._floor(tps, has_more)
-            ahead = [tp for tp in tps if floor is not None and self._heads.get(tp, -math.inf) > floor + self.max_skew_s]
+            limit = math.inf if floor is None else floor + self.max_skew_s
+            ahead = [tp for tp in tps if self._heads.get(tp, -math.inf) > limit]
             if not ahead:
                 self._held.pop(partition, None)
                 continue
             before = self._held.get(partition)
-            if before is None or floor > before[0]:  # (first held, or) the laggard made progress: wait anew
-                before = self._held[partition] = (floor, now)
+            if before is None or limit > before[0]:  # (first held, or) the laggard made progress: wait anew
+                before = self._held[partition] = (limit, now)
             if now - before[1] <= self.max_wait_s:
                 held.update(ahead)
         return active - held if held else active
