@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from streams.settings import REPO_ROOT, Settings
+from streams.settings import REPO_ROOT, Settings, env_var
 
 # TREADLE_BENCH_PORT_SHIFT (default 0) moves every port below, so two benchmarks can run on one machine.
 _SHIFT = int(os.environ.get("TREADLE_BENCH_PORT_SHIFT", "0"))
@@ -65,9 +65,20 @@ def median_run(section: str, name: str, command: str, n: int, unit: str, samples
     return Measurement(section, name, command, n, unit, median, samples=list(samples), **kw)
 
 
+# Settings of the bench's own stack (set by bench_settings) and connections (it starts and measures its own embedded
+# chDB and Valkey): the environment does not change these; every other TREADLE_* variable reaches the worker under test.
+STACK_FIELDS = (
+    "home", "kafka_bootstrap_servers", "kafka_controller_port", "valkey_port", "web_port", "sql_port", "cache",
+    "partitions", "topic_prefix", "app_id", "clickhouse_url", "redis_url",
+)  # fmt: skip
+
+
 def bench_settings(home: Path, run_id: str, partitions: int) -> Settings:
-    """The private stack's settings: non-default ports, a temporary home, the repository's Kafka jar cache."""
-    return Settings(
+    """The private stack's settings: non-default ports, a temporary home, the repository's Kafka jar cache; the
+    rest from the environment, so a tuning variable (TREADLE_PROCESS_BATCH_SIZE=4000 python -m bench...) is what the
+    worker runs with. A worker's environment is rebuilt from these settings (Settings.to_env), so a variable left out
+    here would be overridden by its default."""
+    own: dict[str, object] = dict(
         home=home,
         kafka_bootstrap_servers=f"127.0.0.1:{BENCH_KAFKA_PORT}",
         kafka_controller_port=BENCH_CONTROLLER_PORT,
@@ -79,6 +90,15 @@ def bench_settings(home: Path, run_id: str, partitions: int) -> Settings:
         topic_prefix=run_id,
         app_id=run_id,
     )
+    ignored = {env_var(name) for name in STACK_FIELDS}
+    return Settings.from_env({k: v for k, v in os.environ.items() if k not in ignored}, **own)
+
+
+def tuned_by_environment(settings: Settings) -> list[str]:
+    """`VAR=value` for each setting the environment changed from its default (for the bench's header)."""
+    defaults = Settings()
+    tunable = [name for name in Settings.model_fields if name not in STACK_FIELDS and env_var(name) in os.environ]
+    return [f"{env_var(n)}={os.environ[env_var(n)]}" for n in tunable if getattr(settings, n) != getattr(defaults, n)]
 
 
 @contextmanager

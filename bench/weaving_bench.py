@@ -26,7 +26,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench.common import WORKER_CORE, bench_settings, keep_off_worker_core, loadavg, local_stack, taskset_available
+from bench.common import (
+    WORKER_CORE,
+    bench_settings,
+    keep_off_worker_core,
+    loadavg,
+    local_stack,
+    taskset_available,
+    tuned_by_environment,
+)
 from bench.weaving_sections import SECTIONS, Context, run_section
 
 
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         base = bench_settings(home / "stack", run_id, args.partitions)
+        tuned = tuned_by_environment(base)
+        console.print(f"settings from the environment: {', '.join(tuned)}" if tuned else "default settings")
         with local_stack(base) as up_s:
             console.print(f"[dim]local stack up in {up_s:.1f}s (Kafka {base.kafka_bootstrap_servers})[/]")
             ctx = Context(base, args, pin, home, console)

@@ -21,6 +21,11 @@ _ENV_NAMES = {
 _LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environment
 
 
+def env_var(field: str) -> str:
+    """The environment variable of a Settings field."""
+    return _ENV_NAMES.get(field, f"TREADLE_{field.upper()}")
+
+
 class InvalidSettingError(ValueError):
     """An environment variable treadle cannot use; the message names it, its value and why, in one line."""
 
@@ -239,9 +244,7 @@ class Settings(BaseModel):
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
             if value is not None:
-                env[_ENV_NAMES.get(field, f"TREADLE_{field.upper()}")] = str(
-                    int(value) if isinstance(value, bool) else value
-                )
+                env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)
         return env
 
     @classmethod
@@ -249,7 +252,7 @@ class Settings(BaseModel):
         env = dict(os.environ if env is None else env)
         values: dict[str, object] = {}
         for field in cls.model_fields:
-            var = _ENV_NAMES.get(field, f"TREADLE_{field.upper()}")
+            var = env_var(field)
             if env.get(var):
                 values[field] = tuple(env[var].split(",")) if field in _LIST_FIELDS else env[var]
         values.update(overrides)
@@ -264,7 +267,7 @@ def _explain(exc: ValidationError, env: dict[str, str]) -> str:
     problems = exc.errors()
     first = problems[0]
     field, *inner = first["loc"]
-    var = _ENV_NAMES.get(str(field), f"TREADLE_{str(field).upper()}")
+    var = env_var(str(field))
     items = "".join(f" (item {i + 1})" for i in inner if isinstance(i, int))
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return f"{var}={env.get(var, '')!r}{items}: {first['msg']}{more}"
