@@ -58,6 +58,11 @@ class ProcessingContext(Protocol):
         """Send `event` to dead letters (stage PROCESS) because `processor` could not fold it."""
         ...
 
+    def input_backlog(self, partition: int) -> int:
+        """Input records of `partition` still in Kafka past those handed out (as of the last fetch; 0 while
+        unknown): how far behind the worker is there, e.g. to do less per event while catching up."""
+        ...
+
 
 class EventProcessor(Protocol):
     """`name` is unique per app (it prefixes table names); `inputs` are the schema names it takes.

@@ -48,10 +48,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import faust
+from aiokafka import TopicPartition
 from faust.exceptions import ProducerSendError
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
-from processors.input_alignment import MAX_SKEW_S, InputAlignment, records_left
+from processors.input_alignment import MAX_SKEW_S, InputAlignment, records_behind, records_left
 from streams.batching import DeliveryCallback, PartitionBatcher
 
 log = logging.getLogger(__name__)
@@ -366,6 +367,12 @@ class ResumingApp(faust.App):
         self.batch_linger_s = linger_s
         self.input_max_skew_s = max_skew_s
         self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
+
+    def input_backlog(self, partition: int) -> int:
+        """Records of the batch topics' `partition` still in Kafka past those handed out, as of the last fetch
+        (0 while unknown): how far behind this worker is there."""
+        consumer = getattr(getattr(self.consumer, "_thread", None), "_consumer", None)  # aiokafka's, once started
+        return sum(records_behind(consumer, TopicPartition(topic, partition)) for topic in self.batch_topics)
 
     def _new_transport(self) -> ResumingTransport:
         return ResumingTransport(self.conf.broker_consumer, self)

@@ -89,8 +89,14 @@ class InputAlignment:
 def records_left(consumer: Any, tp: TopicPartition) -> bool:
     """Whether `tp` has records past those aiokafka handed out: its consumed position is below the last highwater
     a fetch reported. False while either is unknown (not assigned, not fetched yet, `consumer` None)."""
+    return records_behind(consumer, tp) > 0
+
+
+def records_behind(consumer: Any, tp: TopicPartition) -> int:
+    """How many records `tp` has past those aiokafka handed out (last highwater - consumed position); 0 while either
+    is unknown (not assigned, not fetched yet, `consumer` None)."""
     subscription = consumer._subscription.subscription if consumer is not None else None
     state = subscription.assignment.state_value(tp) if subscription is not None else None
     if state is None or state.highwater is None or not state.has_valid_position:
-        return False
-    return bool(state.position < state.highwater)
+        return 0
+    return max(0, state.highwater - state.position)

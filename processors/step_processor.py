@@ -12,6 +12,10 @@ passes its close time; orphan rewards (no dispatch) wait until their orphan dead
 are checked after each batch and by a timer every TREADLE_WINDOW_TICK_S, so steps close even when
 no input arrives. The queues live in memory and are rebuilt from the table when the worker starts.
 
+Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition): a step still waiting
+for a required source does not publish its pending row, which its rewards in the backlog would supersede moments
+later; once caught up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
+
 Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
 be woven into it any more), the timer deletes its state (processors/step_expiry.py), so the table, and with it
 the worker's RocksDB memory and disk, are bounded by the steps of the last horizon + retention.
@@ -118,12 +122,16 @@ class StepProcessor:
         self.expiry = StepExpiry()
         self._indexed: DecodedRows[int] = DecodedRows(STEP_CACHE_SIZE)  # key -> expiry time known to be indexed
         self._unwritten: WriteBehind[StepState] = WriteBehind(UNWRITTEN_STEPS)  # written out before commits
+        self.catch_up_backlog = 0  # TREADLE_CATCH_UP_BACKLOG; 0: pending rows are never deferred
+        # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
+        self._deferred: dict[int, set[bytes]] = defaultdict(set)
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
             app, self.name, settings, help="StepState per logical_event_id, serialized with orjson."
         )
         self.expiry.setup(app, settings, self.name)
+        self.catch_up_backlog = settings.catch_up_backlog
         app.before_commit.append(self.write_out)  # type: ignore[attr-defined]  # a ResumingApp
         if settings.reward_policy is not None:
             self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
@@ -213,23 +221,28 @@ class StepProcessor:
                 await ctx.failed(self.name, event, exc)
         for (partition, topic), event_time in newest.items():
             self.watermarks.observe(partition, topic, event_time)
+        catching_up: dict[int, bool] = {}
         for partition in {e.event.source.partition for e in touched.values()}:
             self.watermarks.advance(partition)
+            catching_up[partition] = self._catching_up(partition, ctx)
         for key, entry in touched.items():
-            state = entry.state
+            state, partition = entry.state, entry.event.source.partition
             if self._settle(state, ctx):
                 entry.changed = entry.reshaped = True
             if entry.changed:
-                self._changed(key, state, entry.event.source.partition)
-                await self._index_expiry(key, state, entry.event.source.partition, ctx)
+                self._changed(key, state, partition)
+                await self._index_expiry(key, state, partition, ctx)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
             self._schedule(state, weave)
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=entry.repeated)
+            if everything and not entry.repeated and self._defers(key, partition, weave, catching_up[partition]):
+                everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         if self._unwritten.full():
             await self._write_out(ctx)
+        await self._publish_deferred(ctx, [p for p, behind in catching_up.items() if not behind])
 
     def _changed(self, key: bytes, state: StepState, partition: int) -> None:
         """The step changed: written out before the next offset commit (processors/write_behind.py)."""
@@ -274,6 +287,7 @@ class StepProcessor:
             elif waiting.get(lid) == at:  # else stale: the step was rescheduled or no longer waits
                 del waiting[lid]
                 due.add(lid)
+        catching_up = self._catching_up(partition, ctx)
         for lid in sorted(due):
             key = lid.encode()
             state = self._load(key, partition)
@@ -284,10 +298,48 @@ class StepProcessor:
             if self._settle(state, ctx):
                 self._changed(key, state, partition)
                 weave = self.assembler.weave(state)
-                await self._publish(state, state.session_key, ctx, before, weave)
+                everything = not self._defers(key, partition, weave, catching_up)
+                await self._publish(state, state.session_key, ctx, before, weave, everything)
             self._schedule(state, weave)
         if self._unwritten.full():
             await self._write_out(ctx)
+        if not catching_up:
+            await self._publish_deferred(ctx, [partition])
+
+    # --- catching up ---------------------------------------------------------------------------------------------
+
+    def _catching_up(self, partition: int, ctx: ProcessingContext) -> bool:
+        return 0 < self.catch_up_backlog <= ctx.input_backlog(partition)
+
+    def _defers(self, key: bytes, partition: int, weave: Weave | None, catching_up: bool) -> bool:
+        """Whether a change that would publish all the step's rows defers them: while the worker catches up on the
+        step's partition and a required source is still waiting, its pending row would be superseded within moments
+        (its rewards are in the backlog), so only its late-rewards rows go out now. In a catch-up this halves the
+        Transitions a worker sends, and the sink inserts. The final rows are never deferred."""
+        deferred = self._deferred[partition]
+        if catching_up and weave is not None and weave.waiting:
+            deferred.add(key)
+            return True
+        deferred.discard(key)  # its rows go out now
+        return False
+
+    async def _publish_deferred(self, ctx: ProcessingContext, partitions: list[int]) -> None:
+        """Caught up: publish the pending rows deferred in `partitions` of steps that still wait (the others have
+        published their rows since)."""
+        if not any(self._deferred.get(partition) for partition in partitions):
+            return
+        active = set(self._active_partitions())
+        for partition in partitions:
+            keys = self._deferred.pop(partition, None)
+            if not keys or partition not in active:
+                continue  # revoked: its new owner publishes the step's rows when they change
+            for key in sorted(keys):
+                state = self._load(key, partition)
+                if state is None or state.dispatch is None:
+                    continue  # expired since
+                weave = self.assembler.weave(state)
+                if weave.waiting:
+                    await self._publish(state, state.session_key, ctx, _Before.of(state), weave)
 
     # --- expiry --------------------------------------------------------------------------------------------------
 

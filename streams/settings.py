@@ -107,6 +107,13 @@ class Settings(BaseModel):
         description="TREADLE_INPUT_MAX_SKEW_S: how far (record timestamps) an input topic's partition may read ahead "
         "of a co-partitioned one with records left, e.g. catching up a backlog; inf = read them as fetched.",
     )
+    catch_up_backlog: int = Field(
+        default=2000,
+        ge=0,
+        description="TREADLE_CATCH_UP_BACKLOG: input records of a partition still in Kafka from which the worker is "
+        "catching up there: it then publishes a step's rows once no required source is waiting, and its pending "
+        "rows when it has caught up; 0 = always publish pending rows at once.",
+    )
     output_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="zstd",
         description="TREADLE_OUTPUT_COMPRESSION: compression of the record batches a worker produces (outputs and "

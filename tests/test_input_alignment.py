@@ -12,7 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from hypothesis import given
 from hypothesis import strategies as st
 
-from processors.input_alignment import InputAlignment, records_left
+from processors.input_alignment import InputAlignment, records_behind, records_left
 from streams.settings import Settings
 
 ACTIONS, RESULTS, REWARDS, CHANGELOG = "actions", "tool_results", "rewards", "steps-changelog"
@@ -123,7 +123,7 @@ def test_what_is_held_is_exactly_what_reads_ahead_of_a_laggard(read: dict, with_
             assert slowest in readable
 
 
-def test_records_left_follows_aiokafka_position_and_highwater(stack: Settings) -> None:
+def test_records_left_and_behind_follow_aiokafka_position_and_highwater(stack: Settings) -> None:
     asyncio.run(_records_left(stack))
 
 
@@ -147,18 +147,18 @@ async def _records_left(settings: Settings) -> None:
     try:
         tp = TP(topic, 0)  # Faust's own TP type: aiokafka's state is looked up by (topic, partition)
         assigned = TopicPartition(topic, 0)
-        assert not records_left(consumer, tp)  # not assigned
+        assert not records_left(consumer, tp) and records_behind(consumer, tp) == 0  # not assigned
         consumer.assign([assigned])
         await consumer.seek_to_beginning(assigned)
         assert not records_left(consumer, tp)  # no fetch yet: no highwater
         first = await consumer.getmany(assigned, timeout_ms=5000, max_records=4)
         assert len(first[assigned]) == 4
-        assert records_left(consumer, tp)  # 6 more, buffered or not
+        assert records_left(consumer, tp) and records_behind(consumer, tp) == 6  # buffered or not
         read = 4
         while read < 10:
             batch = await consumer.getmany(assigned, timeout_ms=5000)
             read += len(batch.get(assigned, []))
-        assert not records_left(consumer, tp)
+        assert not records_left(consumer, tp) and records_behind(consumer, tp) == 0
     finally:
         await consumer.stop()
-    assert not records_left(None, tp)
+    assert not records_left(None, tp) and records_behind(None, tp) == 0

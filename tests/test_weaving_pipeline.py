@@ -381,3 +381,74 @@ def test_a_step_expires_after_its_horizon_plus_retention_and_a_reward_after_that
     assert got["steps"] == [(0, "complete", 1.0), (1, "complete", 0.25)]
     assert got["late"] == [(late_for_a["envelope"]["event_id"], "ORPHAN")]
     assert_late_rewards_counted_once(settings_, [*events, (REWARD, late_for_a)])
+
+
+async def published_transitions(settings: Settings) -> list[dict]:
+    """Every Transition on the transitions topic, in no particular order (not the latest rows: every revision sent)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from topics.codec import AvroCodec
+
+    topic = TopicCatalog(settings)["transitions"].name
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        consumer.assign(partitions)
+        ends = await consumer.end_offsets(partitions)
+        records: list[dict] = []
+        codec = AvroCodec()
+        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                records += [codec.decode(m.value)[1] for m in messages]
+        return records
+    finally:
+        await consumer.stop()
+
+
+def test_a_catching_up_worker_defers_pending_rows_and_publishes_those_still_waiting_once_caught_up(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """A backlog in Kafka before the worker starts: old steps whose rewards follow their dispatch by 8 and 60 s of
+    event time (so they are read in later batches), then fresh steps still waiting for their human reward (window
+    100 s). Catching up (backlog >= 5 records), no old step may publish a pending row, and every old step ends
+    complete; once caught up, each fresh step's pending row must come, long before its window passes."""
+    settings_ = weaving_settings(deployment, tmp_path).model_copy(
+        update={"catch_up_backlog": 5, "process_batch_size": 20}
+    )
+    base = int(time.time() * S) - 3 * 86_400 * S
+    sessions = [f"cu{s}-{uuid7()[-10:]}" for s in range(4)]
+    old, fresh, timed = [], [], []
+    for k in range(30):
+        session, lid = sessions[k % 4], uuid7()
+        at = base + k * S
+        record = dispatch(session, lid, k, 3 * k + 1)
+        record["envelope"]["event_time"] = at
+        judged, human = (
+            reward(session, lid, 3 * k + 2, 1.0, "judge", 1.0),
+            reward(session, lid, 3 * k + 3, 0.0, "human"),
+        )
+        judged["envelope"]["event_time"], human["envelope"]["event_time"] = at + 8 * S, at + 60 * S
+        timed += [(at, DISPATCH, record), (at + 8 * S, REWARD, judged), (at + 60 * S, REWARD, human)]
+        old.append(lid)
+    now = int(time.time() * S)
+    for s, session in enumerate(sessions):
+        lid = uuid7()
+        record = dispatch(session, lid, 100, 1000 + s)
+        record["envelope"]["event_time"] = now
+        timed.append((now, DISPATCH, record))
+        fresh.append(lid)
+    asyncio.run(produce(settings_, [(name, record) for _, name, record in sorted(timed, key=lambda t: t[0])]))
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+
+    def caught_up() -> list[dict] | None:
+        published = asyncio.run(published_transitions(settings_))
+        final = {t["logical_event_id"] for t in published if t["reward_status"] == "complete"}
+        waiting = {t["logical_event_id"] for t in published if t["reward_status"] == "pending"} & set(fresh)
+        return published if final >= set(old) and waiting == set(fresh) else None
+
+    published = wait_for(caught_up, 60, "every old step complete and every fresh step's pending row", interval=0.5)
+    pending_old = sorted({t["logical_event_id"] for t in published if t["reward_status"] == "pending"} & set(old))
+    assert pending_old == [], f"pending rows published while catching up: {pending_old}"
+    assert time.time() * S < now + 100 * S  # the fresh steps' human window has not passed: they still wait
