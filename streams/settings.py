@@ -94,8 +94,9 @@ class Settings(BaseModel):
         "(`treadle processors` lists them: steps, state, safety, credit, safety_judge, llm_judge).",
     )
     process_batch_size: int = Field(
-        default=1000,
-        description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (about: one fetch).",
+        default=4000,
+        description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (a backlog fills "
+        "it; live input makes smaller batches, see TREADLE_PROCESS_BATCH_SECONDS).",
     )
     process_batch_seconds: float = Field(
         default=0.05,
