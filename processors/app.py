@@ -136,7 +136,7 @@ class Pipeline:
         marker = self._partition_markers.setdefault(partition, _PartitionMarker(partition))
         _current_event.set(weakref.ref(marker))
 
-    def input_backlog(self, partition: int) -> int:
+    def input_backlog(self, partition: int) -> int | None:
         return self.app.input_backlog(partition)  # type: ignore[attr-defined,no-any-return]  # a ResumingApp
 
     def bind(self, event: InputEvent) -> None:

@@ -58,9 +58,10 @@ class ProcessingContext(Protocol):
         """Send `event` to dead letters (stage PROCESS) because `processor` could not fold it."""
         ...
 
-    def input_backlog(self, partition: int) -> int:
-        """Input records of `partition` still in Kafka past those handed out (as of the last fetch; 0 while
-        unknown): how far behind the worker is there, e.g. to do less per event while catching up."""
+    def input_backlog(self, partition: int) -> int | None:
+        """Input records of `partition` still in Kafka past those handed out, as of the last fetch (None until a fetch
+        has reported on every input topic, right after start): how far behind the worker is there, e.g. to do less
+        per event while catching up."""
         ...
 
 

@@ -368,11 +368,12 @@ class ResumingApp(faust.App):
         self.input_max_skew_s = max_skew_s
         self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
 
-    def input_backlog(self, partition: int) -> int:
-        """Records of the batch topics' `partition` still in Kafka past those handed out, as of the last fetch
-        (0 while unknown): how far behind this worker is there."""
+    def input_backlog(self, partition: int) -> int | None:
+        """Records of the batch topics' `partition` still in Kafka past those handed out, as of the last fetch: how
+        far behind this worker is there. None until a fetch has reported on each of them (right after start)."""
         consumer = getattr(getattr(self.consumer, "_thread", None), "_consumer", None)  # aiokafka's, once started
-        return sum(records_behind(consumer, TopicPartition(topic, partition)) for topic in self.batch_topics)
+        behind = [records_behind(consumer, TopicPartition(topic, partition)) for topic in self.batch_topics]
+        return None if None in behind else sum(b for b in behind if b is not None)
 
     def _new_transport(self) -> ResumingTransport:
         return ResumingTransport(self.conf.broker_consumer, self)

@@ -89,14 +89,19 @@ class InputAlignment:
 def records_left(consumer: Any, tp: TopicPartition) -> bool:
     """Whether `tp` has records past those aiokafka handed out: its consumed position is below the last highwater
     a fetch reported. False while either is unknown (not assigned, not fetched yet, `consumer` None)."""
-    return records_behind(consumer, tp) > 0
+    return (records_behind(consumer, tp) or 0) > 0
 
 
-def records_behind(consumer: Any, tp: TopicPartition) -> int:
-    """How many records `tp` has past those aiokafka handed out (last highwater - consumed position); 0 while either
-    is unknown (not assigned, not fetched yet, `consumer` None)."""
-    subscription = consumer._subscription.subscription if consumer is not None else None
+def records_behind(consumer: Any, tp: TopicPartition) -> int | None:
+    """How many records `tp` has past those aiokafka handed out (last highwater - consumed position); 0 when it is
+    not assigned; None while unknown: no fetch has reported its highwater yet (every successful fetch response does,
+    records or not), or `consumer` is None."""
+    if consumer is None:
+        return None
+    subscription = consumer._subscription.subscription
     state = subscription.assignment.state_value(tp) if subscription is not None else None
-    if state is None or state.highwater is None or not state.has_valid_position:
+    if state is None:
         return 0
+    if state.highwater is None or not state.has_valid_position:
+        return None
     return max(0, state.highwater - state.position)

@@ -237,7 +237,7 @@ class StepProcessor:
             weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
             self._schedule(state, weave)
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=entry.repeated)
-            if everything and not entry.repeated and self._defers(key, partition, weave, catching_up[partition]):
+            if everything and not entry.repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         if self._unwritten.full():
@@ -297,8 +297,8 @@ class StepProcessor:
             weave = None
             if self._settle(state, ctx):
                 self._changed(key, state, partition)
-                weave = self.assembler.weave(state)
-                everything = not self._defers(key, partition, weave, catching_up)
+                weave = self.assembler.weave(state) if state.dispatch is not None else None
+                everything = not self._defers(key, partition, state, weave, catching_up)
                 await self._publish(state, state.session_key, ctx, before, weave, everything)
             self._schedule(state, weave)
         if self._unwritten.full():
@@ -309,15 +309,20 @@ class StepProcessor:
     # --- catching up ---------------------------------------------------------------------------------------------
 
     def _catching_up(self, partition: int, ctx: ProcessingContext) -> bool:
-        return 0 < self.catch_up_backlog <= ctx.input_backlog(partition)
+        """Unknown counts as catching up: right after start, before a fetch reported every input topic's end."""
+        if self.catch_up_backlog == 0:
+            return False
+        backlog = ctx.input_backlog(partition)
+        return backlog is None or backlog >= self.catch_up_backlog
 
-    def _defers(self, key: bytes, partition: int, weave: Weave | None, catching_up: bool) -> bool:
+    def _defers(self, key: bytes, partition: int, state: StepState, weave: Weave | None, catching_up: bool) -> bool:
         """Whether a change that would publish all the step's rows defers them: while the worker catches up on the
-        step's partition and a required source is still waiting, its pending row would be superseded within moments
-        (its rewards are in the backlog), so only its late-rewards rows go out now. In a catch-up this halves the
-        Transitions a worker sends, and the sink inserts. The final rows are never deferred."""
+        step's partition and a dispatched step still waits for a required source, its pending row would be
+        superseded within moments (its rewards are in the backlog), so only its late-rewards rows go out now. In a
+        catch-up this halves the Transitions a worker sends, and the sink inserts. Final rows are never deferred,
+        nor are the rows of a step with no dispatch (its orphan reports)."""
         deferred = self._deferred[partition]
-        if catching_up and weave is not None and weave.waiting:
+        if catching_up and state.dispatch is not None and weave is not None and weave.waiting:
             deferred.add(key)
             return True
         deferred.discard(key)  # its rows go out now

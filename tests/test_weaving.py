@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from processors.reward_policy import PolicyBook, PolicyError, RewardPolicy, RewardSpec, parse_policy
 from processors.step_assembler import DISPATCH, LATE, REWARD, TRANSITION, WOVEN, StepAssembler, StepState
 from processors.step_expiry import DueStep, index_key
-from processors.step_processor import publishes_all
+from processors.step_processor import StepProcessor, publishes_all
 from processors.watermarks import Watermarks
 from tests.factories import dispatch, reward
 
@@ -371,3 +371,23 @@ def test_the_next_window_is_the_first_of_a_missing_source() -> None:
     a.fold(late_judge, DISPATCH, at(dispatch("s-1", "l-2", 0, 1), 0))
     a.fold(late_judge, REWARD, signal("l-2", "judge", 1.0, 16, 2))  # after window 10 + grace 5: not in
     assert a.next_window_us(late_judge) == T0 + 10 * S
+
+
+def test_catching_up_defers_only_a_dispatched_step_still_waiting_and_remembers_it_until_its_rows_go_out() -> None:
+    a = assembler()
+    processor = StepProcessor(a)
+    waiting = StepState("l-1")
+    a.fold(waiting, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
+    a.fold(waiting, REWARD, signal("l-1", "judge", 1.0, 2, 2))  # human still missing
+    assert processor._defers(b"l-1", 0, waiting, a.weave(waiting), catching_up=True)
+    assert processor._deferred[0] == {b"l-1"}
+    assert not processor._defers(b"l-1", 0, waiting, a.weave(waiting), catching_up=False)  # caught up: out now
+    assert processor._deferred[0] == set()
+    processor._defers(b"l-1", 0, waiting, a.weave(waiting), catching_up=True)
+    a.fold(waiting, REWARD, signal("l-1", "human", 0.5, 60, 3))  # final: never deferred, no longer remembered
+    assert not processor._defers(b"l-1", 0, waiting, a.weave(waiting), catching_up=True)
+    assert processor._deferred[0] == set()
+    orphan = StepState("l-2")  # no dispatch: its orphan reports go out while catching up too
+    a.fold(orphan, REWARD, signal("l-2", "judge", 1.0, 2, 4))
+    a.orphan(orphan, next(iter(orphan.rewards)))
+    assert not processor._defers(b"l-2", 0, orphan, a.weave(orphan), catching_up=True)

@@ -409,32 +409,36 @@ async def published_transitions(settings: Settings) -> list[dict]:
 def test_a_catching_up_worker_defers_pending_rows_and_publishes_those_still_waiting_once_caught_up(
     deployment: Settings, worker_factory, tmp_path
 ) -> None:
-    """A backlog in Kafka before the worker starts: old steps whose rewards follow their dispatch by 8 and 60 s of
-    event time (so they are read in later batches), then fresh steps still waiting for their human reward (window
-    100 s). Catching up (backlog >= 5 records), no old step may publish a pending row, and every old step ends
-    complete; once caught up, each fresh step's pending row must come, long before its window passes."""
+    """A backlog in Kafka before the worker starts: 120 old steps, one a second, whose judge and human rewards follow
+    their dispatch by 8 and 20 s of event time (so they are read in later batches); then fresh steps still waiting
+    for their human reward (window 100 s). While catching up (>= 5 records of the partition left), a step does not
+    publish a pending row: the first 60 old steps (each has dozens of its partition's records behind its last
+    reward) must publish none, and every old step ends complete. Once caught up, each fresh step's pending row must
+    come, long before its window passes. An orphan reward in the backlog (no dispatch; the watermark passes its
+    orphan wait while catching up) is still reported."""
     settings_ = weaving_settings(deployment, tmp_path).model_copy(
         update={"catch_up_backlog": 5, "process_batch_size": 20}
     )
     base = int(time.time() * S) - 3 * 86_400 * S
     sessions = [f"cu{s}-{uuid7()[-10:]}" for s in range(4)]
     old, fresh, timed = [], [], []
-    for k in range(30):
+    for k in range(120):
         session, lid = sessions[k % 4], uuid7()
         at = base + k * S
         record = dispatch(session, lid, k, 3 * k + 1)
         record["envelope"]["event_time"] = at
-        judged, human = (
-            reward(session, lid, 3 * k + 2, 1.0, "judge", 1.0),
-            reward(session, lid, 3 * k + 3, 0.0, "human"),
-        )
-        judged["envelope"]["event_time"], human["envelope"]["event_time"] = at + 8 * S, at + 60 * S
-        timed += [(at, DISPATCH, record), (at + 8 * S, REWARD, judged), (at + 60 * S, REWARD, human)]
+        judged = reward(session, lid, 3 * k + 2, 1.0, "judge", 1.0)
+        human = reward(session, lid, 3 * k + 3, 0.0, "human", 1.0)
+        judged["envelope"]["event_time"], human["envelope"]["event_time"] = at + 8 * S, at + 20 * S
+        timed += [(at, DISPATCH, record), (at + 8 * S, REWARD, judged), (at + 20 * S, REWARD, human)]
         old.append(lid)
+    orphan = reward(sessions[0], uuid7(), 999, 1.0, "judge", 1.0)
+    orphan["envelope"]["event_time"] = base
+    timed.append((base, REWARD, orphan))
     now = int(time.time() * S)
     for s, session in enumerate(sessions):
         lid = uuid7()
-        record = dispatch(session, lid, 100, 1000 + s)
+        record = dispatch(session, lid, 1000, 1000 + s)
         record["envelope"]["event_time"] = now
         timed.append((now, DISPATCH, record))
         fresh.append(lid)
@@ -448,7 +452,14 @@ def test_a_catching_up_worker_defers_pending_rows_and_publishes_those_still_wait
         waiting = {t["logical_event_id"] for t in published if t["reward_status"] == "pending"} & set(fresh)
         return published if final >= set(old) and waiting == set(fresh) else None
 
-    published = wait_for(caught_up, 60, "every old step complete and every fresh step's pending row", interval=0.5)
-    pending_old = sorted({t["logical_event_id"] for t in published if t["reward_status"] == "pending"} & set(old))
-    assert pending_old == [], f"pending rows published while catching up: {pending_old}"
+    published = wait_for(caught_up, 90, "every old step complete and every fresh step's pending row", interval=0.5)
+    pending = {t["logical_event_id"] for t in published if t["reward_status"] == "pending"}
+    assert sorted(pending & set(old[:60])) == [], "pending rows published while catching up"
     assert time.time() * S < now + 100 * S  # the fresh steps' human window has not passed: they still wait
+    orphan_id = orphan["envelope"]["event_id"]
+    reported = wait_for(
+        lambda: run_sql(settings_, f"SELECT reason FROM late_rewards_latest WHERE event_id = '{orphan_id}'")[1],
+        30,
+        "the orphan reward in late_rewards",
+    )
+    assert [tuple(row) for row in reported] == [("ORPHAN",)]
