@@ -218,6 +218,11 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             return False
         return await self._commit_offsets(offsets, start_new_transaction=start_new_transaction)
 
+    @property
+    def aiokafka_consumer(self) -> Any:
+        """aiokafka's consumer, run in Faust's consumer thread (positions, highwaters); None before it starts."""
+        return getattr(getattr(self, "_thread", None), "_consumer", None)
+
     def _input_alignment(self) -> InputAlignment:
         app: ResumingApp = self.app  # type: ignore[assignment]
         if self._alignment is None or self._alignment.topics != app.batch_topics:
@@ -232,7 +237,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             alignment.reset()  # a new assignment: positions start over
             self._aligned_generation = self.app.consumer_generation_id
         if active_partitions:
-            consumer = self._thread._consumer  # type: ignore[attr-defined]  # aiokafka's, None before it starts
+            consumer = self.aiokafka_consumer
             active_partitions = alignment.readable(
                 active_partitions, lambda tp: records_left(consumer, tp), time.monotonic()
             )
@@ -371,9 +376,14 @@ class ResumingApp(faust.App):
     def input_backlog(self, partition: int) -> int | None:
         """Records of the batch topics' `partition` still in Kafka past those handed out, as of the last fetch: how
         far behind this worker is there. None until a fetch has reported on each of them (right after start)."""
-        consumer = getattr(getattr(self.consumer, "_thread", None), "_consumer", None)  # aiokafka's, once started
-        behind = [records_behind(consumer, TopicPartition(topic, partition)) for topic in self.batch_topics]
-        return None if None in behind else sum(b for b in behind if b is not None)
+        consumer = self.consumer.aiokafka_consumer  # type: ignore[attr-defined]  # a ResumingConsumer
+        total = 0
+        for topic in self.batch_topics:
+            behind = records_behind(consumer, TopicPartition(topic, partition))
+            if behind is None:
+                return None
+            total += behind
+        return total
 
     def _new_transport(self) -> ResumingTransport:
         return ResumingTransport(self.conf.broker_consumer, self)
