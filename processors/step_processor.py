@@ -9,8 +9,9 @@ the fold is order-independent, so batching changes no result. Changed steps are 
 Event time: every input event advances its partition's watermark (processors/watermarks.py). A step
 still missing a required reward source waits in a per-partition timer queue until the watermark
 passes its close time; orphan rewards (no dispatch) wait until their orphan deadline. Both queues
-are checked after each batch and by a timer every TREADLE_WINDOW_TICK_S, so steps close even when
-no input arrives. The queues live in memory and are rebuilt from the table when the worker starts.
+are checked after each batch, in the partitions it read (its input moved their watermarks), and by a
+timer every TREADLE_WINDOW_TICK_S, so steps close even when no input arrives. The queues live in memory
+and are rebuilt from the table when the worker starts.
 
 Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition): a step still waiting
 for a required source does not publish its pending row, which its rewards in the backlog would supersede moments
@@ -240,9 +241,8 @@ class StepProcessor:
             if everything and not entry.repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
-        if self._unwritten.full():
-            await self._write_out(ctx)
-        await self._publish_deferred(ctx, [p for p, behind in catching_up.items() if not behind])
+        for partition in catching_up:  # the windows the batch moved the watermark past close now, not at the tick
+            await self._fire_due(partition, self.watermarks.watermark(partition), ctx)
 
     def _changed(self, key: bytes, state: StepState, partition: int) -> None:
         """The step changed: written out before the next offset commit (processors/write_behind.py)."""

@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 
 from streams.settings import Settings
 from streams.sql_client import run_sql
-from tests.factories import RawProducer, dispatch, reward, scrape, total, wait_for
+from tests.factories import RawProducer, dispatch, result, reward, scrape, total, wait_for
 from topics.catalog import TopicCatalog
 from topics.ids import uuid7
 
 S = 1_000_000
 DISPATCH, REWARD = "treadle.events.ActionDispatched", "treadle.events.RewardSignal"
+RESULT = "treadle.events.ToolResult"
 
 POLICY = {
     "version": "weave-test-1",
@@ -463,3 +464,41 @@ def test_a_catching_up_worker_defers_pending_rows_and_publishes_those_still_wait
         "the orphan reward in late_rewards",
     )
     assert [tuple(row) for row in reported] == [("ORPHAN",)]
+
+
+def test_a_window_the_input_moves_the_watermark_past_closes_with_that_batch_not_at_the_next_tick(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Step A (a day ago) never gets its required judge reward. Step B of the same session, 20 s later in event time,
+    moves the partition's watermark past A's window when its dispatch, tool result and reward are folded. A is not
+    in that batch, and the window tick is an hour away (so is the idle timeout): A must still close, with that batch."""
+    policy = {**POLICY, "specs": [{"source": "judge", "window_s": 2, "grace_s": 1, "required": True}]}
+    settings_ = weaving_settings(deployment, tmp_path, policy).model_copy(
+        update={"window_tick_s": 3600.0, "idle_timeout_s": 3600.0, "catch_up_backlog": 0}
+    )
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    session, a, b = f"batchclose-{uuid7()[-10:]}", uuid7(), uuid7()
+    base = int(time.time() * S) - 86_400 * S
+
+    def at(record: dict, seconds: float) -> dict:
+        record["envelope"]["event_time"] = base + int(seconds * S)
+        return record
+
+    def status(step: int) -> str | None:
+        _, rows = run_sql(settings_, f"SELECT reward_status FROM transitions_latest WHERE session_id = '{session}' "
+                                     f"AND step = {step}")  # fmt: skip
+        return rows[0][0] if rows else None
+
+    asyncio.run(
+        produce(settings_, [(DISPATCH, at(dispatch(session, a, 0, 1), 0)), (RESULT, at(result(session, a, 2), 0.1))])
+    )
+    assert wait_for(lambda: status(0), 60, "step A's pending row") == "pending"
+    later = [
+        (DISPATCH, at(dispatch(session, b, 1, 3), 20)),
+        (RESULT, at(result(session, b, 4), 20.1)),
+        (REWARD, at(reward(session, b, 5, 1.0, "judge", 1.0), 20.2)),
+    ]
+    asyncio.run(produce(settings_, later))
+    assert wait_for(lambda: status(1) if status(1) == "complete" else None, 60, "step B complete") == "complete"
+    assert wait_for(lambda: status(0) if status(0) != "pending" else None, 30, "step A closed") == "partial"
