@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from processors.fusion import FusionPolicy
@@ -112,6 +114,8 @@ class PolicyError(ValueError):
     """A policy file or record that cannot be used; the message says where and why."""
 
 
+log = logging.getLogger(__name__)
+
 _BUILT_IN = RewardPolicy()
 
 
@@ -120,6 +124,7 @@ class PolicyBook:
 
     def __init__(self, policies: list[RewardPolicy] | None = None) -> None:
         self._policies: dict[str, RewardPolicy] = {}
+        self._unknown: set[str] = set()  # versions steps recorded that this book does not know (warned once each)
         for policy in policies or [RewardPolicy()]:
             self.add(policy)
 
@@ -137,8 +142,17 @@ class PolicyBook:
         return self._order[newest - 1] if newest else _BUILT_IN
 
     def get(self, version: str) -> RewardPolicy:
-        """The version a step recorded; the built-in default if it is unknown here (logged by callers)."""
-        return self._policies.get(version) or _BUILT_IN
+        """The version a step recorded; the built-in default if it is unknown here (a warning once per version)."""
+        policy = self._policies.get(version)
+        if policy is not None:
+            return policy
+        if version != _BUILT_IN.version and version not in self._unknown:
+            self._unknown.add(version)
+            log.warning("reward policy %r, recorded by steps dispatched under it, is unknown to this worker: they are "
+                        "woven with the built-in default policy (every source optional, a day's window) until it is "
+                        "known again: push it with `treadle policy push` or name its file in TREADLE_REWARD_POLICY",
+                        version)  # fmt: skip
+        return _BUILT_IN
 
     def __contains__(self, version: str) -> bool:
         return version in self._policies
@@ -153,8 +167,6 @@ def parse_policy(text: str, origin: str) -> RewardPolicy:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        import yaml
-
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

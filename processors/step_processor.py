@@ -124,6 +124,8 @@ class StepProcessor:
         self._indexed: DecodedRows[int] = DecodedRows(STEP_CACHE_SIZE)  # key -> expiry time known to be indexed
         self._unwritten: WriteBehind[StepState] = WriteBehind(UNWRITTEN_STEPS)  # written out before commits
         self.catch_up_backlog = 0  # TREADLE_CATCH_UP_BACKLOG; 0: pending rows are never deferred
+        self.credits_episodes = True  # whether the credit processor runs here (else episode rewards are not woven)
+        self._warned_episode_reward = False
         # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
 
@@ -133,6 +135,7 @@ class StepProcessor:
         )
         self.expiry.setup(app, settings, self.name)
         self.catch_up_backlog = settings.catch_up_backlog
+        self.credits_episodes = "credit" in settings.processors
         app.before_commit.append(self.write_out)  # type: ignore[attr-defined]  # a ResumingApp
         if settings.reward_policy is not None:
             self.assembler.policies = PolicyBook([load_policy_file(settings.reward_policy)])
@@ -199,7 +202,8 @@ class StepProcessor:
             if env["event_time"] > newest.get(where, -1):
                 newest[where] = env["event_time"]
             if is_episode_reward(event.schema_name, event.record):
-                continue  # credit assignment (processors/credit_processor.py) spreads it over the episode
+                self._episode_reward(event)  # credit assignment (processors/credit_processor.py) spreads it
+                continue
             key = env["logical_event_id"].encode()
             entry = touched.get(key)
             try:
@@ -243,6 +247,16 @@ class StepProcessor:
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         for partition in catching_up:  # the windows the batch moved the watermark past close now, not at the tick
             await self._fire_due(partition, self.watermarks.watermark(partition), ctx)
+
+    def _episode_reward(self, event: InputEvent) -> None:
+        """Say once if episode rewards arrive with no credit processor to spread them: they stay in raw_events."""
+        if self.credits_episodes or self._warned_episode_reward:
+            return
+        self._warned_episode_reward = True
+        log.warning("episode reward %s (scope=episode) is not woven into any step: the credit processor is not "
+                    "running here, so it stays in raw_events only; add `credit` to TREADLE_PROCESSORS to spread "
+                    "episode rewards over their episode's steps (this is said once)",
+                    event.record["envelope"]["event_id"])  # fmt: skip
 
     def _changed(self, key: bytes, state: StepState, partition: int) -> None:
         """The step changed: written out before the next offset commit (processors/write_behind.py)."""

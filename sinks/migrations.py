@@ -124,7 +124,7 @@ def apply_pending(
 
 
 def apply_migrations(store: ClickHouseStore) -> list[int]:
-    """Bring the store's database up to date (on the store's thread); the worker and the CLI call this at start."""
+    """Bring the store's database up to date (on the store's thread); the sink calls this when it starts."""
     return store.call_sync(lambda client: apply_pending(client, store.database))
 
 

@@ -295,6 +295,15 @@ def test_a_step_uses_the_policy_effective_at_its_dispatch_event_time() -> None:
         book.add(RewardPolicy(version="v2", default_window_s=1))
 
 
+def test_an_unknown_recorded_policy_version_falls_back_to_the_built_in_one_with_one_warning(caplog) -> None:
+    book = PolicyBook([RewardPolicy(version="v2", specs=(RewardSpec(source="judge", required=True),))])
+    with caplog.at_level("WARNING", logger="processors.reward_policy"):
+        assert book.get("v1").version == "default" and book.get("v1").version == "default"
+        assert book.get("v2").version == "v2" and book.get("default").version == "default"
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "'v1'" in warned[0] and "treadle policy push" in warned[0]
+
+
 def test_policy_files_explain_their_mistakes() -> None:
     policy = parse_policy("version: y1\nspecs:\n  - {source: judge, required: true, window_s: 5}\n", "p.yaml")
     assert policy.spec_for("judge", "any").required and not policy.spec_for("other", "x").required
@@ -391,3 +400,23 @@ def test_catching_up_defers_only_a_dispatched_step_still_waiting_and_remembers_i
     a.fold(orphan, REWARD, signal("l-2", "judge", 1.0, 2, 4))
     a.orphan(orphan, next(iter(orphan.rewards)))
     assert not processor._defers(b"l-2", 0, orphan, a.weave(orphan), catching_up=True)
+
+
+def test_episode_rewards_without_the_credit_processor_are_reported_once(caplog) -> None:
+    from processors.base import InputEvent
+    from processors.intake import SourceMessage
+
+    def episode_reward(seq: int) -> InputEvent:
+        record = reward("s-1", f"l-{seq}", seq, 1.0, "outcome")
+        record["envelope"]["attributes"] = {"scope": "episode"}
+        return InputEvent(REWARD, record, SourceMessage("rewards", 0, seq, b"s-1", b"", 0))
+
+    processor = StepProcessor(assembler())
+    processor.credits_episodes = False  # as setup() finds it with TREADLE_PROCESSORS=steps
+    with caplog.at_level("WARNING", logger="processors.step_processor"):
+        processor._episode_reward(episode_reward(1))
+        processor._episode_reward(episode_reward(2))
+        processor.credits_episodes, processor._warned_episode_reward = True, False
+        processor._episode_reward(episode_reward(3))  # credit runs: nothing to say
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "TREADLE_PROCESSORS" in warned[0]
