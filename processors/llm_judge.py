@@ -17,7 +17,8 @@ the same event_id makes the re-publication a no-op downstream. Entries are kept 
 Failures: a call that times out (TREADLE_LLM_JUDGE_TIMEOUT_S), answers non-2xx, or answers something that is not
 a valid verdict is retried with exponential backoff (RetryPolicy); after the last attempt the step's input event
 of this batch goes to dead letters (stage PROCESS, the reason names the URL and the last error). Both halves stay
-in the table, so replaying that one event (or any later event of the step) judges the step again.
+in the table, and the step remembers which event it dead-lettered, so replaying that one event (or a later tool
+result of the step) judges the step again.
 
 Latency: the calls of a batch run concurrently (at most TREADLE_LLM_JUDGE_CONCURRENCY in flight), but the batch
 ends only when the slowest step is judged or given up, so the judge's latency (up to attempts x timeout plus
@@ -228,6 +229,11 @@ class PendingStep:
     dispatch: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
     signal: dict[str, Any] | None = None
+    dead_lettered: str | None = None  # event_id of the input dead-lettered when the last call failed
+
+    def retries_on(self, schema_name: str, record: dict[str, Any]) -> bool:
+        """Whether this event asks for the call again: a tool result, or the event a failed call dead-lettered."""
+        return schema_name == RESULT or record["envelope"]["event_id"] == self.dead_lettered
 
     @property
     def ready(self) -> bool:
@@ -246,16 +252,16 @@ class PendingStep:
         return False
 
     def judged(self, signal: dict[str, Any]) -> None:
-        self.dispatch = self.result = None  # the signal is all a later duplicate needs
+        self.dispatch = self.result = self.dead_lettered = None  # the signal is all a later duplicate needs
         self.signal = signal
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"d": self.dispatch, "r": self.result, "s": self.signal})
+        return orjson.dumps({"d": self.dispatch, "r": self.result, "s": self.signal, "f": self.dead_lettered})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PendingStep:
         raw = orjson.loads(data)
-        return cls(raw.get("d"), raw.get("r"), raw.get("s"))
+        return cls(raw.get("d"), raw.get("r"), raw.get("s"), raw.get("f"))
 
 
 def _order(record: dict[str, Any]) -> tuple[int, str]:
@@ -269,8 +275,9 @@ class _Touched:
     event: InputEvent  # any event of the step (its session's partition and key)
     changed: bool = False
     # What asks for a judgement in this batch, dead-lettered if the call fails: a tool result (a replayed one
-    # too: that is how a dead letter is retried), else a dispatch that completed the step. Not a duplicate
-    # dispatch, so a replay calls the judge once per step however the records fall into batches.
+    # too), a dispatch that completed the step, or the event a failed call dead-lettered (its replay is how a dead
+    # letter is retried). Not any other duplicate dispatch, so a replay calls the judge once per step however the
+    # records fall into batches.
     trigger: InputEvent | None = None
 
 
@@ -323,9 +330,10 @@ class LlmJudge:
                     stored = self.table.get(key)
                     step = PendingStep.from_bytes(stored) if stored is not None else PendingStep()
                     entry = touched[key] = _Touched(step, event)
+                retries = entry.step.retries_on(event.schema_name, event.record)
                 changed = entry.step.fold(event.schema_name, event.record)
                 entry.changed |= changed
-                if event.schema_name == RESULT or (changed and entry.trigger is None):
+                if retries or (changed and entry.trigger is None):
                     entry.trigger = event
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
@@ -340,6 +348,8 @@ class LlmJudge:
                     raise verdict  # cancellation: the worker is stopping
                 assert entry.trigger is not None
                 await ctx.failed(self.name, entry.trigger, verdict)
+                entry.step.dead_lettered = entry.trigger.record["envelope"]["event_id"]
+                entry.changed = True
                 continue
             assert entry.step.dispatch is not None and entry.step.result is not None
             entry.step.judged(llm_signal(entry.step.dispatch, entry.step.result, verdict))

@@ -319,7 +319,7 @@ def event_of(schema_name: str, record: dict[str, Any]) -> InputEvent:
 async def test_the_processor_judges_each_step_once_and_dead_letters_what_fails() -> None:
     d_ok, r_ok = dispatch("s-1", "ok", 0, 1), {**result("s-1", "ok", 2), "output": "z" * 40}
     d_bad, r_bad = dispatch("s-1", "bad", 1, 3), result("s-1", "bad", 4)
-    with JudgeServer({"bad": ["500"] * 10}) as server:
+    with JudgeServer({"bad": ["500"] * 10, "late": ["500"] * 10}) as server:
         judge = LlmJudge(JudgeClient(server.url, timeout_s=5, retry=FAST))
         judge.table = FakeTable()
         try:
@@ -346,6 +346,17 @@ async def test_the_processor_judges_each_step_once_and_dead_letters_what_fails()
             assert server.calls == Counter({"ok": 1, "bad": 6})
             assert PendingStep.from_bytes(judge.table[b"ok"]).signal == signal
             assert PendingStep.from_bytes(judge.table[b"bad"]).ready
+
+            # A step completed by its dispatch (its result came first) dead-letters that dispatch when the call
+            # fails, and remembers it: replaying the dead letter calls again.
+            d_late, r_late = dispatch("s-1", "late", 2, 5), result("s-1", "late", 6)
+            late = FakeContext()
+            await judge.process([event_of(RESULT, r_late)], late)
+            await judge.process([event_of(DISPATCH, d_late)], late)
+            assert [e.record for _, e, _ in late.failures] == [d_late] and server.calls["late"] == 3
+            assert PendingStep.from_bytes(judge.table[b"late"]).dead_lettered == d_late["envelope"]["event_id"]
+            await judge.process([event_of(DISPATCH, d_late)], late)
+            assert [e.record for _, e, _ in late.failures] == [d_late, d_late] and server.calls["late"] == 6
         finally:
             await judge.client.close()  # type: ignore[union-attr]
 
