@@ -21,7 +21,7 @@ from faust.streams import _current_event
 from processors import table_writes
 from processors.base import EventProcessor, InputEvent
 from processors.faust_transport import ResumingApp
-from processors.intake import Accepted, Intake, SourceMessage
+from processors.intake import Accepted, Intake, Rejected, SourceMessage
 from processors.plugins import ProcessorRegistry
 from processors.validation import InputValidator
 from streams.batching import key_hash
@@ -247,6 +247,8 @@ async def handle_batch(pipeline: Pipeline, messages: list[Any]) -> None:
                         expected, source.offset - 1)  # fmt: skip
         pipeline.next_offsets[(source.topic, source.partition)] = source.offset + 1
         read = pipeline.intake.read(source)
+        if isinstance(read, Rejected) and read.unknown_writer:
+            read = await pipeline.intake.read_after_reload(source)
         if isinstance(read, Accepted):
             read_in[(source.topic, read.schema_name)] += 1
             valid.append(InputEvent(read.schema_name, read.record, source))

@@ -5,6 +5,7 @@ Shared by the step assembler and the ClickHouse sink so both agree on what a val
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +61,30 @@ class Accepted:
 @dataclass(frozen=True)
 class Rejected:
     dead_letter: dict[str, Any]
+    unknown_writer: bool = False  # its writer schema is not known here (yet): see Intake.read_after_reload
 
 
 class Intake:
-    def __init__(self, codec: AvroCodec, catalog: TopicCatalog, validator: InputValidator) -> None:
+    def __init__(
+        self,
+        codec: AvroCodec,
+        catalog: TopicCatalog,
+        validator: InputValidator,
+        reload_schemas: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         self.codec = codec
         self.validator = validator
+        # SchemaRegistry.load_if_due of the registry the codec looks writers up in; None: no registry
+        self.reload_schemas = reload_schemas
         self._expected = {spec.name: spec.value_schema for spec in catalog.inputs}
+
+    async def read_after_reload(self, message: SourceMessage) -> Accepted | Rejected:
+        """`read`, after reloading the registry (unless it was loaded under a second ago): for a message rejected
+        for an unknown writer schema, which its producer may have registered since the last load. Without the
+        reload such an event would be a dead letter for good."""
+        if self.reload_schemas is not None:
+            await self.reload_schemas()
+        return self.read(message)
 
     def read(self, message: SourceMessage) -> Accepted | Rejected:
         expected = self._expected.get(message.topic)
@@ -78,6 +96,8 @@ class Intake:
             try:
                 schema_name, record = self.codec.decode(message.value, expect=expected)
             except DecodeError as exc:
+                if exc.unknown_writer:
+                    return Rejected(message.dead_letter(exc.stage, exc.reason), unknown_writer=True)
                 stage, reason = exc.stage, exc.reason
             else:
                 problem = self.validator.problem(schema_name, record, message.key)

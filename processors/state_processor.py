@@ -316,6 +316,8 @@ class StateProcessor:
                 await ctx.publish(STATE_VERSION, version, key=key)
             for schema_name, record, reason in [*work.replay_rejected, *work.rejected]:
                 await ctx.publish(DEAD_LETTER, self._dead_letter(schema_name, record, reason), key=key)
+            for schema_name, _, _ in work.rejected:  # a replayed refusal was counted when it was first made
+                ctx.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, schema_name).inc()
             versions += work.replay + work.versions
             work.replay, work.replay_rejected, work.versions, work.rejected = [], [], [], []
             work.changed, work.size = False, 0

@@ -27,7 +27,12 @@ class InputValidator:
         for name in _REQUIRED_ENVELOPE:
             if not env.get(name):
                 return f"envelope.{name} is empty"
-        if key is not None and key.decode("utf-8", "replace") != env["session_id"]:
+        if key is None:
+            return (
+                f"the message has no key; events must be keyed by envelope.session_id ({env['session_id']!r}) so a "
+                "session stays in one partition"
+            )
+        if key.decode("utf-8", "replace") != env["session_id"]:
             return (
                 f"message key {key[:64]!r} differs from envelope.session_id {env['session_id']!r}; "
                 "events must be keyed by session_id so a session stays in one partition"

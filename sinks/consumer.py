@@ -12,7 +12,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer
 
-from processors.intake import Accepted, Intake, SourceMessage
+from processors.intake import Accepted, Intake, Rejected, SourceMessage
 from sinks.clickhouse import ClickHouseStore
 from sinks.writer import ClickHouseSink
 from streams.metrics import SinkMetrics
@@ -45,6 +45,7 @@ class SinkConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self.skipped = 0
+        self._unknown_writer: list[SourceMessage] = []  # inputs of this batch whose writer schema is not known yet
 
     def consumer(self) -> AIOKafkaConsumer:
         return AIOKafkaConsumer(
@@ -91,6 +92,8 @@ class SinkConsumer:
                 for message in messages:
                     full |= self._add(message)
                     uncommitted = True
+            if self._unknown_writer:
+                full |= await self._add_after_reload()
             if self.sink.pending and first_buffered is None:
                 first_buffered = time.monotonic()
             due = first_buffered is not None and (
@@ -103,11 +106,28 @@ class SinkConsumer:
                 await consumer.commit()
                 uncommitted = False
 
+    async def _add_after_reload(self) -> bool:
+        """The batch's inputs of unknown writer schemas, read again after reloading the registry (the worker does the
+        same before it dead-letters them); True when a table's batch is full."""
+        sources, self._unknown_writer = self._unknown_writer, []
+        full = False
+        for source in sources:
+            read = await self.intake.read_after_reload(source)
+            if isinstance(read, Accepted):
+                full |= self.sink.add(self._specs[source.topic].kind, read.record)
+            else:
+                self.skipped += 1
+        return full
+
     def _add(self, message) -> bool:
         """Buffer the message's rows; True when a table's batch is full (TREADLE_SINK_BATCH_SIZE rows)."""
         spec = self._specs[message.topic]
         if spec.role is TopicRole.INPUT:
-            read = self.intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
+            source = SourceMessage.of(message, timestamp_ms=message.timestamp)
+            read = self.intake.read(source)
+            if isinstance(read, Rejected) and read.unknown_writer:
+                self._unknown_writer.append(source)  # read again after reloading the registry, once per batch
+                return False
             if not isinstance(read, Accepted):
                 self.skipped += 1  # the step assembler writes it to dead letters
                 return False

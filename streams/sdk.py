@@ -583,9 +583,12 @@ class _Emitter:
         trace_id: str | None,
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
+        event_id: str | None = None,
     ) -> str:
         self._check_ready()
         self._surface_failures()
+        if event_id is not None and not (isinstance(event_id, str) and event_id):
+            raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
         if isinstance(target, StepRef):
             logical_event_id = target.logical_event_id
             session_id = session_id or target.session_id
@@ -595,7 +598,7 @@ class _Emitter:
             logical_event_id = target
             if not session_id:
                 raise ValueError("a reward for a bare logical_event_id needs its session_id (the partition key)")
-        event_id = uuid7()
+        event_id = event_id or uuid7()
         record = {
             "envelope": self._envelope(
                 event_id=event_id,
@@ -848,8 +851,12 @@ class AgentStream(_Emitter):
         episode_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        event_id: str | None = None,
     ) -> str:
-        """Emit a reward signal for a step (a StepRef, or a logical_event_id of this stream's session by default)."""
+        """Emit a reward signal for a step (a StepRef, or a logical_event_id of this stream's session by default).
+
+        `event_id`: give one derived from what was judged (e.g. a uuid5) when the same reward may be emitted again,
+        by a re-run or a retry: the step assembler ignores a duplicate event_id. Default: a fresh uuid7."""
         if not isinstance(target, StepRef):
             session_id = session_id or self.session_id
             episode_id = self.episode_id if episode_id is None and session_id == self.session_id else episode_id
@@ -866,6 +873,7 @@ class AgentStream(_Emitter):
             trace_id=None,
             attributes=attributes,
             event_time=event_time,
+            event_id=event_id,
         )
 
     async def delta(
@@ -1047,8 +1055,12 @@ class RewardEmitter(_Emitter):
         trace_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        event_id: str | None = None,
     ) -> str:
-        """Emit one reward for the step `target` (StepRef, or logical_event_id plus `session_id`). Returns event_id."""
+        """Emit one reward for the step `target` (StepRef, or logical_event_id plus `session_id`). Returns event_id.
+
+        `event_id`: give one derived from what was judged (e.g. a uuid5) when the same reward may be emitted again,
+        by a re-run or a retry: the step assembler ignores a duplicate event_id. Default: a fresh uuid7."""
         return await self._emit_reward(
             target,
             value,
@@ -1062,6 +1074,7 @@ class RewardEmitter(_Emitter):
             trace_id=trace_id,
             attributes=attributes,
             event_time=event_time,
+            event_id=event_id,
         )
 
 
@@ -1276,6 +1289,7 @@ class AgentStreamSync(_SyncFacade):
         episode_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        event_id: str | None = None,
     ) -> str:
         """See AgentStream.reward."""
         return self._runner.call(
@@ -1291,6 +1305,7 @@ class AgentStreamSync(_SyncFacade):
                 episode_id=episode_id,
                 attributes=attributes,
                 event_time=event_time,
+                event_id=event_id,
             )
         )
 
@@ -1347,6 +1362,24 @@ class AgentStreamSync(_SyncFacade):
                 steps=steps,
             )
         )
+
+    @property
+    def next_step(self) -> int:
+        """See AgentStream.next_step."""
+        return self._stream.next_step
+
+    @property
+    def next_seq(self) -> int:
+        """See AgentStream.next_seq."""
+        return self._stream.next_seq
+
+    def state(self) -> StateGraph | None:
+        """See AgentStream.state."""
+        return self._runner.call(self._stream.state())
+
+    def state_at(self, version_or_time: str | int | datetime) -> StateGraph:
+        """See AgentStream.state_at."""
+        return self._runner.call(self._stream.state_at(version_or_time))
 
 
 class _SyncToolCallContext:
@@ -1415,6 +1448,7 @@ class RewardEmitterSync(_SyncFacade):
         trace_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         event_time: int | None = None,
+        event_id: str | None = None,
     ) -> str:
         """See RewardEmitter.reward."""
         return self._runner.call(
@@ -1430,5 +1464,6 @@ class RewardEmitterSync(_SyncFacade):
                 trace_id=trace_id,
                 attributes=attributes,
                 event_time=event_time,
+                event_id=event_id,
             )
         )

@@ -102,7 +102,9 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     registry = SchemaRegistry(settings.kafka_bootstrap_servers, catalog["schemas"].name)
     await registry.load()
     codec = AvroCodec(lookup=registry.lookup)
-    intake = Intake(codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)))
+    intake = Intake(
+        codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)), reload_schemas=registry.load_if_due
+    )
     store = await asyncio.to_thread(open_store, settings)
     await asyncio.to_thread(apply_migrations, store)
     await asyncio.to_thread(apply_merge_settings, store)

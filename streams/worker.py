@@ -45,6 +45,7 @@ def build_worker(settings: Settings) -> Pipeline:
     registry = SchemaRegistry(settings.kafka_bootstrap_servers, TopicCatalog(settings)["schemas"].name)
     # Writer schemas we don't ship (newer producers, other languages) are found in the registry.
     pipeline = build_pipeline(settings, codec=AvroCodec(lookup=registry.lookup))
+    pipeline.intake.reload_schemas = registry.load_if_due  # an unknown writer may have been registered since
     asyncio.run(prepare_cluster(settings, registry))
     for processor in pipeline.processors:
         refresh = getattr(processor, "refresh_policies", None)  # policies pushed before this start

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from streams.settings import Settings
 from streams.sql_client import run_sql
-from tests.factories import RawProducer, dispatch, result, wait_for
+from tests.factories import RawProducer, dispatch, result, reward, wait_for
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
@@ -51,6 +51,7 @@ async def send_bad_inputs(settings: Settings) -> dict[str, dict]:
             b"s-missing",
         ),
         "empty_session": ("actions", codec.encode("treadle.events.ActionDispatched", empty_session), b""),
+        "no_key": ("rewards", codec.encode("treadle.events.RewardSignal", reward("s-nokey", uuid7(), 1, 0.5)), None),
         "tombstone": ("lifecycle", None, b"s-tomb"),
     }
     sent = {}
@@ -77,6 +78,7 @@ EXPECTED = {
     "invalid_params": ("VALIDATE", "params of search invalid at q: 5 is not of type 'string'"),
     "missing_field": ("SCHEMA", "No default value for field tool"),
     "empty_session": ("VALIDATE", "envelope.session_id is empty"),
+    "no_key": ("VALIDATE", "the message has no key; events must be keyed by envelope.session_id ('s-nokey')"),
     "tombstone": ("DECODE", "tombstone"),
 }
 
@@ -114,3 +116,36 @@ def test_each_bad_input_is_a_dead_letter_and_the_stream_continues(
     assert rows == [["OK"]]
     _, raw = run_sql(settings, "SELECT count() FROM raw_events_latest WHERE session_id IN ('s-params', '')")
     assert raw == [[0]], "dead-lettered events must not appear as raw events"
+
+
+def test_an_event_written_with_a_schema_registered_after_the_worker_started_is_read_not_dead_lettered(
+    deployment: Settings, worker_factory
+) -> None:
+    """A producer registers a newer RewardSignal (one more optional field) and sends with it at once, long before the
+    worker's 10 s registry refresh: the worker and its sink reload the registry on the unknown fingerprint, so the
+    reward is woven and lands in raw_events, and nothing goes to dead letters."""
+    worker = worker_factory(deployment).start()
+    worker.wait_ready()
+    session, lid = f"s-newer-{uuid7()[:8]}", uuid7()
+    name = "treadle.events.RewardSignal"
+    newer = SchemaSet.load()[name].json
+    newer = AvroSchema.from_json(dict(newer, fields=[*newer["fields"], {"name": "rubric", "type": ["null", "string"],
+                                                                        "default": None}]))  # fmt: skip
+
+    async def register_and_send() -> None:
+        registry = SchemaRegistry(deployment.kafka_bootstrap_servers, TopicCatalog(deployment)["schemas"].name)
+        await registry.register([newer])
+        value = AvroCodec(SchemaSet([newer])).encode(name, {**reward(session, lid, 3, 0.75, "judge"), "rubric": "r1"})
+        async with RawProducer(deployment) as producer:
+            await producer.send("treadle.events.ActionDispatched", dispatch(session, lid, 0, 1))
+            await producer.producer.send(producer.catalog["rewards"].name, value, key=session.encode())
+            await producer.flush()
+
+    asyncio.run(register_and_send())
+    query = f"SELECT reward FROM transitions_latest WHERE session_id = '{session}' AND reward IS NOT NULL"
+    _, rows = wait_for(lambda: (r := run_sql(deployment, query))[1] and r, 60, "the reward woven into its step")
+    assert rows == [[0.75]]
+    raw = f"SELECT count() FROM raw_events_latest WHERE session_id = '{session}' AND kind = 'rewards'"
+    assert wait_for(lambda: run_sql(deployment, raw)[1] == [[1]], 30, "the reward in raw_events")
+    _, letters = run_sql(deployment, f"SELECT reason FROM dead_letters_latest WHERE session_id = '{session}'")
+    assert letters == []

@@ -397,7 +397,11 @@ async def test_reward_source_needs_only_the_step_id_and_session(settings: Settin
         await judge.reward(ref, 0.1, name="safety", annotator="HUMAN")
         await judge.reward(lid, 0.2, session_id="other-session")
     with RewardEmitterSync(settings, source="labeller", annotator="HUMAN", codec=codec) as labeller:
-        labeller.reward(lid, 1.0, session_id=session_id)
+        with pytest.raises(ValueError, match="event_id must be a non-empty string"):
+            labeller.reward(lid, 1.0, session_id=session_id, event_id="")
+        # a re-run of the labelling job sends the same event_id, which the step assembler ignores
+        labelled_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"label/{lid}"))
+        assert labeller.reward(lid, 1.0, session_id=session_id, event_id=labelled_id) == labelled_id
 
     reads = await read_back(settings, codec, {session_id, "other-session"})
     rewards = [r for r in reads["rewards"] if r.key == session_id.encode()]
@@ -413,6 +417,7 @@ async def test_reward_source_needs_only_the_step_id_and_session(settings: Settin
     assert (second["name"], second["annotator"]) == ("safety", "HUMAN")
     assert judged[1].env["trace_id"] == ref.trace_id and judged[1].env["episode_id"] == ref.episode_id
     assert (labelled.record["source"], labelled.record["annotator"]) == ("labeller", "HUMAN")
+    assert labelled.env["event_id"] == labelled_id
     (other,) = (r for r in reads["rewards"] if r.key == b"other-session")
     assert other.env["seq"] > judged[1].env["seq"]  # one counter per emitter: increasing in every session
 

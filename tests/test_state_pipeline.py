@@ -18,11 +18,12 @@ import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from processors.state_graph import LIFECYCLE, MemoryStore, SessionState, StateFold
+from streams.sdk import AgentStreamSync
 from streams.settings import Settings
 from streams.sql_client import run_sql
 from streams.state_cache import StateCache, connect, redis_url
 from streams.state_history import state_at
-from tests.factories import RawProducer, wait_for
+from tests.factories import RawProducer, scrape, total, wait_for
 from tests.test_state_graph import DELTA, DISPATCH, RESULT, arrival, build, delta, env
 
 pytestmark = pytest.mark.integration
@@ -132,6 +133,8 @@ def test_state_at_every_version_matches_the_oracle_in_clickhouse_and_redis(deplo
         assert set(cached.content()[1]) == oracle.view(len(oracle.snapshots) - 1)[1]
         by_time = state_at(deployment, session, ids[-1])
         assert by_time.version_id == ids[-1]
+    with AgentStreamSync(deployment, agent_id="reader", session_id=session) as stream:  # the sync facade reads too
+        assert stream.state_at(ids[-1]).version_id == ids[-1] and stream.state().version_id == ids[-1]  # type: ignore[union-attr]
 
     # Redis wiped (this deployment's keys): the worker rebuilds the latest state from its tables.
     keys = redis_keys(deployment)
@@ -295,5 +298,7 @@ def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(depl
     after = delta(last_seq + 2, oracle.time, ups=[("late", "note", {"v": 1}, None)], session=closed)
     asyncio.run(send(settings, [(DELTA, after)]))
     wait_for(lambda: any("ended" in r for r in dead_letter_reasons(settings, closed)), 60, "a dead letter")
+    refused = total(scrape(settings), "treadle_dead_letters_total", stage="PROCESS", schema=DELTA)
+    assert refused >= 1  # the refusal is counted like any dead letter
     assert len(distinct_versions(settings, closed)) == len(ids) - 1
     assert changelog_last(settings, "state-graph", prefix) == graph_keys  # nothing written for it again

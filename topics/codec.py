@@ -38,10 +38,11 @@ class DeadLetterStage(StrEnum):
 class DecodeError(Exception):
     """Bytes that cannot become a record; `stage` says where it failed, for the dead-letter row."""
 
-    def __init__(self, stage: DeadLetterStage, reason: str) -> None:
+    def __init__(self, stage: DeadLetterStage, reason: str, unknown_writer: bool = False) -> None:
         super().__init__(reason)
         self.stage = stage
         self.reason = reason
+        self.unknown_writer = unknown_writer  # the writer's fingerprint is in no schema known here (yet)
 
 
 class AvroCodec:
@@ -101,7 +102,9 @@ class AvroCodec:
             if schema is not None:
                 self.schemas.add(schema)
         if schema is None:
-            raise DecodeError(DeadLetterStage.SCHEMA, f"unknown writer schema fingerprint {fp:016x}")
+            raise DecodeError(
+                DeadLetterStage.SCHEMA, f"unknown writer schema fingerprint {fp:016x}", unknown_writer=True
+            )
         return schema
 
     def decode(self, data: bytes | None, expect: str | None = None) -> tuple[str, dict[str, Any]]:

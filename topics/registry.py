@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -18,6 +19,8 @@ from topics.compatibility import Compatibility, compatibility_errors
 from topics.schemas import AvroSchema, SchemaSet
 
 log = logging.getLogger(__name__)
+
+RELOAD_INTERVAL_S = 1.0  # unknown fingerprints reload the registry at most this often
 
 
 class IncompatibleSchemaError(Exception):
@@ -99,14 +102,26 @@ class SchemaRegistry:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.versions = SchemaVersions(mode)
+        self._loaded_at: float | None = None  # time.monotonic() when the last load started
 
     def lookup(self, fingerprint: int) -> AvroSchema | None:
         return self.versions.lookup(fingerprint)
 
     async def load(self) -> None:
         """Read the whole topic (it is compacted and small) into memory."""
+        self._loaded_at = time.monotonic()
         for _, value in await read_to_end(self.bootstrap_servers, self.topic):
             self.versions.add(RegisteredSchema.from_bytes(value))
+
+    async def load_if_due(self, min_interval_s: float = RELOAD_INTERVAL_S) -> bool:
+        """Load again, unless the last load started under `min_interval_s` ago; True if it loaded.
+
+        For a record whose writer schema is unknown: a producer may have registered it since the last load. The
+        interval keeps a stream of unreadable fingerprints from rereading the topic for every record."""
+        if self._loaded_at is not None and time.monotonic() - self._loaded_at < min_interval_s:
+            return False
+        await self.load()
+        return True
 
     async def register(self, schemas: list[AvroSchema], load: bool = True) -> list[RegisteredSchema]:
         """Register each schema not yet known; all are checked before any is published.
