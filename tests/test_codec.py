@@ -515,6 +515,28 @@ def test_an_incompatible_version_is_refused_with_the_reasons() -> None:
     assert accepted is not None and accepted.version == 2
 
 
+def test_a_writer_the_shipped_schema_cannot_read_is_refused_though_backward_compatible() -> None:
+    """A new ToolStatus symbol is BACKWARD compatible (the new schema reads old data), but the worker reads every
+    ToolResult as the shipped schema, which has no such symbol: each event would be a dead letter."""
+    name = "treadle.events.ToolResult"
+    shipped = SCHEMAS[name]
+    more_symbols = copy.deepcopy(shipped.json)
+    [status] = [f for f in more_symbols["fields"] if f["name"] == "status"]
+    status["type"]["symbols"].append("CANCELLED")
+    newer = AvroSchema.from_json(more_symbols)
+    assert not compatibility_errors(newer.json, shipped.json, Compatibility.BACKWARD)
+    versions = SchemaVersions(readers=SchemaSet.load())
+    versions.add(RegisteredSchema(name, 1, shipped))
+    with pytest.raises(IncompatibleSchemaError) as caught:
+        versions.next_version(newer)
+    reasons = caught.value.reasons
+    assert reasons and all(r.startswith(f"treadle's own {name} cannot read it") for r in reasons)
+    assert "CANCELLED" in str(caught.value)
+    added = evolved(name, {"name": "rubric", "type": ["null", "string"], "default": None})
+    accepted = versions.next_version(added)  # a field with a default: the shipped schema skips it
+    assert accepted is not None and accepted.version == 2
+
+
 def test_versions_are_ordered_whatever_the_order_they_are_loaded_in() -> None:
     versions = SchemaVersions()
     versions.add(RegisteredSchema("t.Subject", 2, subject_v(V2)))

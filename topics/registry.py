@@ -2,7 +2,10 @@
 
 Each record is keyed `<subject>/<fingerprint>` and holds {subject, version, fingerprint, schema}.
 The subject is the record's full name. Registering a new version is refused, with the reasons,
-when it is incompatible with the latest one under the configured mode (BACKWARD by default).
+when it is incompatible with the latest one under the configured mode (BACKWARD by default), or
+when the schema treadle ships for that record cannot read data written with it: the worker and
+the sink read every input as the shipped schema, so such a writer's events would all be dead
+letters (a new enum symbol, a field the shipped schema requires removed).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 
 from topics.compacted import read_to_end
-from topics.compatibility import Compatibility, compatibility_errors
+from topics.compatibility import Compatibility, compatibility_errors, read_errors
 from topics.schemas import AvroSchema, SchemaSet
 
 log = logging.getLogger(__name__)
@@ -57,8 +60,9 @@ class RegisteredSchema:
 class SchemaVersions:
     """The registry's contents in memory; the compatibility rules live here, apart from Kafka."""
 
-    def __init__(self, mode: Compatibility = Compatibility.BACKWARD) -> None:
+    def __init__(self, mode: Compatibility = Compatibility.BACKWARD, readers: SchemaSet | None = None) -> None:
         self.mode = mode
+        self.readers = readers  # the schemas this treadle reads inputs as; a writer they cannot read is refused
         self._subjects: dict[str, list[RegisteredSchema]] = {}
         self._by_fingerprint: dict[int, RegisteredSchema] = {}
 
@@ -92,16 +96,28 @@ class SchemaVersions:
             reasons = compatibility_errors(schema.json, latest.schema.json, self.mode)
             if reasons:
                 raise IncompatibleSchemaError(schema.name, self.mode, reasons)
+        if self.readers is not None and schema.name in self.readers and self.mode is not Compatibility.NONE:
+            errors = read_errors(self.readers[schema.name].json, schema.json)
+            reasons = [f"treadle's own {schema.name} cannot read it: {e}" for e in errors]
+            if reasons:
+                raise IncompatibleSchemaError(schema.name, self.mode, reasons)
         return RegisteredSchema(subject=schema.name, version=(latest.version + 1) if latest else 1, schema=schema)
 
 
 class SchemaRegistry:
     """SchemaVersions persisted in, and loaded from, the compacted schemas topic."""
 
-    def __init__(self, bootstrap_servers: str, topic: str, mode: Compatibility = Compatibility.BACKWARD) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        mode: Compatibility = Compatibility.BACKWARD,
+        readers: SchemaSet | None = None,
+    ) -> None:
+        """`readers`: the schemas a registered writer must be readable as; default the ones treadle ships."""
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
-        self.versions = SchemaVersions(mode)
+        self.versions = SchemaVersions(mode, SchemaSet.load() if readers is None else readers)
         self._loaded_at: float | None = None  # time.monotonic() when the last load started
 
     def lookup(self, fingerprint: int) -> AvroSchema | None:
