@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import json.encoder
+import math
 import threading
 import time
 import warnings
@@ -499,6 +500,8 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> dict[str, Any]:
+        if event_time is not None and event_time <= 0:  # the worker dead-letters it (processors/validation.py)
+            raise ValueError(f"event_time must be positive microseconds, got {event_time}")
         return {
             "event_id": event_id,
             "session_id": session_id,
@@ -516,7 +519,7 @@ class _Emitter:
         """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
         try:
             return self._codec.encode(schema, record)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
 
     def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
@@ -599,6 +602,11 @@ class _Emitter:
             if not session_id:
                 raise ValueError("a reward for a bare logical_event_id needs its session_id (the partition key)")
         event_id = event_id or uuid7()
+        # the worker's checks (processors/validation.py), here so a bad reward raises instead of becoming a dead letter
+        if not math.isfinite(value := float(value)):
+            raise ValueError(f"reward value must be finite, got {value}")
+        if not 0.0 <= (confidence := float(confidence)) <= 1.0:
+            raise ValueError(f"confidence must be in [0, 1], got {confidence}")
         record = {
             "envelope": self._envelope(
                 event_id=event_id,
@@ -612,8 +620,8 @@ class _Emitter:
             ),
             "source": source,
             "name": name,
-            "value": float(value),
-            "confidence": float(confidence),
+            "value": value,
+            "confidence": confidence,
             "annotator": _member(Annotator, _ANNOTATORS, annotator).value,
             "evidence": evidence,
         }
@@ -781,6 +789,8 @@ class AgentStream(_Emitter):
     ) -> str:
         if latency_ms is None:
             latency_ms = max(0.0, (now_micros() - step.dispatched_at) / 1000.0) if step.dispatched_at else 0.0
+        if not (math.isfinite(latency_ms := float(latency_ms)) and latency_ms >= 0):
+            raise ValueError(f"latency_ms must be a finite non-negative number, got {latency_ms}")
         event_id = uuid7()
         record = {
             "envelope": self._envelope(
@@ -797,7 +807,7 @@ class AgentStream(_Emitter):
             "status": status.value,
             "output": _text(output),
             "error": error,
-            "latency_ms": float(latency_ms),
+            "latency_ms": latency_ms,
             "cost_usd": float(cost_usd),
             "tokens_in": int(tokens_in),
             "tokens_out": int(tokens_out),

@@ -327,9 +327,17 @@ async def test_other_bad_arguments_raise_before_anything_is_sent(settings: Setti
             await stream.reward("lid", "high", source="x")  # type: ignore[arg-type]
         with pytest.raises(ValueError):
             await stream.reward("lid", 1.0, source="x", annotator="ROBOT")
+        for bad, match in (({"value": float("nan")}, "must be finite"), ({"confidence": 1.5}, r"in \[0, 1\]"),
+                           ({"event_time": 0}, "positive microseconds")):  # fmt: skip
+            with pytest.raises(ValueError, match=match):  # what the worker would dead-letter
+                await stream.reward("lid", **{"value": 1.0, "source": "x", **bad})
         ref = await stream.dispatch("t", {}, deadline=timedelta(seconds=30))
         with pytest.raises(ValueError):
             await stream.tool_result(ref, "MAYBE")
+        with pytest.raises(ValueError, match="latency_ms must be a finite non-negative number"):
+            await stream.tool_result(ref, "OK", latency_ms=float("inf"))
+        with pytest.raises(ValueError, match="event_time must be positive"):
+            await stream.dispatch("t", {}, event_time=-5)
         with pytest.raises(ValueError, match="cannot encode"):
             await stream.delta(node_upserts=[{"id": 1, "type": "t"}])
         async with stream.tool_call(ref) as call:
