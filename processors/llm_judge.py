@@ -12,7 +12,10 @@ event_id = uuid5 of the logical_event_id, event_time and seq of the tool result)
 
 Exactly one call per step: after the call the table keeps the published signal instead of the halves, and any
 later event of the step (a duplicate, a replay after a crash) re-publishes that signal without calling again;
-the same event_id makes the re-publication a no-op downstream. Entries are kept per step like the step table.
+the same event_id makes the re-publication a no-op downstream. Entries expire like the step table's: once the
+partition's event watermark is TREADLE_STEP_RETENTION_S past the newest event time an entry holds, it is deleted
+(processors/step_expiry.py keeps the index, checked after each batch), so the table is bounded. A step's events that
+come after that are a new step to the judge, which calls again.
 
 Failures: a call that times out (TREADLE_LLM_JUDGE_TIMEOUT_S), answers non-2xx, or answers something that is not
 a valid verdict is retried with exponential backoff (RetryPolicy); after the last attempt the step's input event
@@ -24,8 +27,8 @@ Latency: the calls of a batch run concurrently (at most TREADLE_LLM_JUDGE_CONCUR
 ends only when the slowest step is judged or given up, so the judge's latency (up to attempts x timeout plus
 backoff, ~31 s with the defaults) adds to the batch latency of every processor in the same worker. A deployment
 that cannot afford that runs the judge in a worker of its own: TREADLE_PROCESSORS=llm_judge with its own
-TREADLE_APP_ID (its own consumer group and table), TREADLE_WEB_PORT and TREADLE_SINK=off; it reads the same input
-topics and its signals reach the main worker through the rewards topic like any other reward source's.
+TREADLE_APP_ID (its own consumer group and table), TREADLE_WEB_PORT, TREADLE_HOME and TREADLE_SINK=off; it reads the
+same input topics and its signals reach the main worker through the rewards topic like any other reward source's.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
 from processors.plugins import PluginError
+from processors.step_expiry import StepExpiry
+from processors.watermarks import Watermarks
 from streams.settings import Settings
+from topics.catalog import TopicCatalog
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ SOURCE = "llm_judge"
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "treadle:llm_judge")
 MAX_RATIONALE = 500
 _MAX_ERROR_BODY = 200
+EXPIRE_PER_BATCH = 5_000  # entries deleted per partition and batch at most, so one batch never stalls the input
 
 
 class LlmJudgeError(RuntimeError):
@@ -239,6 +246,12 @@ class PendingStep:
     def ready(self) -> bool:
         return self.signal is None and self.dispatch is not None and self.result is not None
 
+    @property
+    def horizon_us(self) -> int:
+        """The newest event time it holds; the entry is kept TREADLE_STEP_RETENTION_S of event time past it."""
+        held = [record for record in (self.dispatch, self.result, self.signal) if record is not None]
+        return max(record["envelope"]["event_time"] for record in held)
+
     def fold(self, schema_name: str, record: dict[str, Any]) -> bool:
         """Keep the earliest dispatch and the latest result (as the step assembler does); True if changed."""
         if self.signal is not None:
@@ -294,6 +307,8 @@ class LlmJudge:
     def __init__(self, client: JudgeClient | None = None) -> None:
         self.client = client
         self.table: Any = None  # faust.Table[bytes, bytes]
+        self.expiry = StepExpiry()
+        self.watermarks = Watermarks(5.0, 30.0)
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         if self.client is None:
@@ -311,6 +326,9 @@ class LlmJudge:
             settings,
             help="PendingStep per logical_event_id (halves awaiting a call, or the published signal), orjson.",
         )
+        self.expiry.setup(app, settings, self.name)
+        topics = [spec.name for spec in TopicCatalog(settings).inputs if spec.value_schema in self.inputs]
+        self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s, topics=topics)
         app.on_before_shutdown.connect(self._close)
 
     async def _close(self, app: faust.App, **kwargs: Any) -> None:
@@ -322,7 +340,9 @@ class LlmJudge:
         assert client is not None, "setup() was not called"
         touched: dict[bytes, _Touched] = {}
         for event in events:
-            key = event.record["envelope"]["logical_event_id"].encode()
+            env = event.record["envelope"]
+            self.watermarks.observe(event.source.partition, event.source.topic, env["event_time"])
+            key = env["logical_event_id"].encode()
             entry = touched.get(key)
             try:
                 if entry is None:
@@ -357,6 +377,30 @@ class LlmJudge:
         for key, entry in touched.items():
             if entry.changed:
                 await table_writes.put(self.table, key, entry.step.to_bytes(), entry.event, ctx)
+                await self._index_expiry(key.decode(), entry.step, entry.event.source.partition, ctx)
             if entry.step.signal is not None:
                 # Also for duplicates of a judged step: a crash may have lost the first publication.
                 await ctx.publish(REWARD, entry.step.signal, key=entry.event.session_key)
+        for partition in {entry.event.source.partition for entry in touched.values()}:
+            self.watermarks.advance(partition)
+            progress = self.watermarks.event_watermark(partition)  # events' progress only, as for the step table
+            if progress is not None:
+                await self._expire_due(partition, progress, ctx)
+
+    async def _index_expiry(self, lid: str, step: PendingStep, partition: int, ctx: ProcessingContext) -> None:
+        expires = self.expiry.expires_us(step.horizon_us)
+        if not self.expiry.is_indexed(expires, lid, partition):
+            await self.expiry.index(expires, lid, partition, ctx)
+
+    async def _expire_due(self, partition: int, watermark: int, ctx: ProcessingContext) -> None:
+        for due in self.expiry.due(partition, watermark, EXPIRE_PER_BATCH):
+            await self.expiry.unindex(due, partition, ctx)
+            key = due.logical_event_id.encode()
+            stored = table_writes.get_in_partition(self.table, key, partition)
+            if stored is None:
+                continue
+            step = PendingStep.from_bytes(stored)
+            if self.expiry.expires_us(step.horizon_us) > watermark:  # a newer event moved it since the entry
+                await self._index_expiry(due.logical_event_id, step, partition, ctx)
+                continue
+            await table_writes.delete_in_partition(self.table, key, partition, ctx)

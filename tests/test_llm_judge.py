@@ -36,6 +36,7 @@ from processors.llm_judge import (
     signal_event_id,
 )
 from processors.plugins import PluginError, ProcessorRegistry
+from processors.step_expiry import DueStep
 from streams.settings import REPO_ROOT, Settings
 from streams.sql_client import run_sql
 from tests.factories import dispatch, result, step_components, wait_for
@@ -278,10 +279,15 @@ async def test_a_slow_endpoint_times_out_and_calls_run_concurrently_up_to_the_li
 class FakeTable(dict):
     """What LlmJudge and table_writes use of a Faust table: get, data, changelog_topic, a partition's RocksDB."""
 
+    offset_key = b"__offset__"
+
     def __init__(self) -> None:
         super().__init__()
         self.data = self
         self.changelog_topic = SimpleNamespace(get_topic_name=lambda: "llm_judge-changelog")
+
+    def keys(self) -> list[bytes]:  # type: ignore[override]
+        return sorted(super().keys())  # RocksDB iterates in key order
 
     def _db_for_partition(self, partition: int) -> FakeTable:
         return self  # one partition here
@@ -313,15 +319,19 @@ class FakeContext:
 
 
 def event_of(schema_name: str, record: dict[str, Any]) -> InputEvent:
-    return InputEvent(schema_name, record, source=SimpleNamespace(partition=0))  # type: ignore[arg-type]
+    return InputEvent(schema_name, record, source=SimpleNamespace(partition=0, topic=schema_name))  # type: ignore[arg-type]
+
+
+def fake_tables(judge: LlmJudge) -> LlmJudge:
+    judge.table, judge.expiry.table = FakeTable(), FakeTable()
+    return judge
 
 
 async def test_the_processor_judges_each_step_once_and_dead_letters_what_fails() -> None:
     d_ok, r_ok = dispatch("s-1", "ok", 0, 1), {**result("s-1", "ok", 2), "output": "z" * 40}
     d_bad, r_bad = dispatch("s-1", "bad", 1, 3), result("s-1", "bad", 4)
     with JudgeServer({"bad": ["500"] * 10, "late": ["500"] * 10}) as server:
-        judge = LlmJudge(JudgeClient(server.url, timeout_s=5, retry=FAST))
-        judge.table = FakeTable()
+        judge = fake_tables(LlmJudge(JudgeClient(server.url, timeout_s=5, retry=FAST)))
         try:
             ctx = FakeContext()
             await judge.process([event_of(RESULT, r_ok), event_of(DISPATCH, d_bad)], ctx)  # halves only
@@ -357,6 +367,41 @@ async def test_the_processor_judges_each_step_once_and_dead_letters_what_fails()
             assert PendingStep.from_bytes(judge.table[b"late"]).dead_lettered == d_late["envelope"]["event_id"]
             await judge.process([event_of(DISPATCH, d_late)], late)
             assert [e.record for _, e, _ in late.failures] == [d_late, d_late] and server.calls["late"] == 6
+        finally:
+            await judge.client.close()  # type: ignore[union-attr]
+
+
+async def test_an_entry_is_deleted_once_the_event_watermark_is_the_retention_past_its_newest_event() -> None:
+    """Retention 10 s, watermark lag 5 s: step `old` (judged at T + 1 s) goes once the events of both input topics
+    reach T + 16.5 s (event watermark T + 11.5 s); steps whose newest event is within the retention stay, and so do
+    their expiry entries."""
+    t = 1_800_000_000_000_000
+
+    def at(record: dict[str, Any], seconds: float) -> dict[str, Any]:
+        record["envelope"]["event_time"] = t + int(seconds * 1_000_000)
+        return record
+
+    with JudgeServer() as server:
+        judge = fake_tables(LlmJudge(JudgeClient(server.url, timeout_s=5, retry=FAST)))
+        judge.expiry.retention_us = 10_000_000
+        try:
+            ctx = FakeContext()
+            old = [
+                event_of(DISPATCH, at(dispatch("s-1", "old", 0, 1), 0)),
+                event_of(RESULT, at(result("s-1", "old", 2), 1)),
+            ]
+            await judge.process(old, ctx)
+            assert b"old" in judge.table and server.calls["old"] == 1
+            await judge.process([event_of(DISPATCH, at(dispatch("s-1", "new", 1, 3), 12))], ctx)
+            assert b"old" in judge.table, "the results topic (newest T + 1 s) holds the watermark back"
+            later = [
+                event_of(RESULT, at(result("s-1", "new", 4), 16.5)),
+                event_of(DISPATCH, at(dispatch("s-1", "newer", 2, 5), 16.5)),
+            ]
+            await judge.process(later, ctx)
+            assert b"old" not in judge.table and b"new" in judge.table and b"newer" in judge.table
+            # `new` has two: its dispatch's (due at T + 22 s) and its result's; the first, due, finds it not expired
+            assert [DueStep.parse(k).logical_event_id for k in judge.expiry.table] == ["new", "new", "newer"]
         finally:
             await judge.client.close()  # type: ignore[union-attr]
 
