@@ -320,7 +320,8 @@ class StateFold:
         state.heads[schema] = seq
         out = FoldOutput()
         if state.ended is not None:
-            if apply and schema != LIFECYCLE:
+            # Without auto nodes, dispatches and tool results are no state events: nothing to refuse.
+            if apply and schema != LIFECYCLE and (self.config.auto_nodes or schema == DELTA):
                 out.rejected.append((schema, record, state.ended_reason()))
             return out
         ending = schema == LIFECYCLE and record.get("kind") in ENDING_LIFECYCLE

@@ -450,6 +450,8 @@ def test_a_close_after_higher_seqs_were_applied_ends_the_session_at_once():
     assert fold.accept(state, store, DELTA, delta(5, T0, ups=[("a", "n", {}, None)])).versions
     fold.accept(state, store, LIFECYCLE, lifecycle(3))
     assert state.ended == 3 and fold.accept(state, store, DELTA, delta(6, T0)).rejected
+    # without auto nodes a dispatch is no state event: the step assembler takes it, the state graph refuses nothing
+    assert fold.accept(state, store, DISPATCH, dispatch(7, T0, "step-7", "search")).rejected == []
 
 
 def test_buffer_bounds_release_the_oldest():
