@@ -6,10 +6,10 @@ each problem found here sends the record to dead letters with a reason instead o
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from processors.step_assembler import DISPATCH, RESULT, REWARD
+from topics.event_checks import event_time_problem, latency_problem, reward_problem
 from topics.tool_schemas import ToolSchemas
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
@@ -37,17 +37,14 @@ class InputValidator:
                 f"message key {key[:64]!r} differs from envelope.session_id {env['session_id']!r}; "
                 "events must be keyed by session_id so a session stays in one partition"
             )
-        if env["event_time"] <= 0:
-            return f"envelope.event_time must be positive microseconds, got {env['event_time']}"
+        if (problem := event_time_problem(env["event_time"])) is not None:
+            return problem
         if schema_name == DISPATCH:
             if record["step"] < 0:
                 return f"step must be >= 0, got {record['step']}"
             return self.tool_schemas.error_in_json(record["tool"], record["params_json"])
-        if schema_name == RESULT and not (record["latency_ms"] >= 0 and math.isfinite(record["latency_ms"])):
-            return f"latency_ms must be a finite non-negative number, got {record['latency_ms']}"
+        if schema_name == RESULT:
+            return latency_problem(record["latency_ms"])
         if schema_name == REWARD:
-            if not math.isfinite(record["value"]):
-                return f"reward value must be finite, got {record['value']}"
-            if not 0.0 <= record["confidence"] <= 1.0:
-                return f"confidence must be in [0, 1], got {record['confidence']}"
+            return reward_problem(record["value"], record["confidence"])
         return None

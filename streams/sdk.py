@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import json.encoder
-import math
 import threading
 import time
 import warnings
@@ -54,6 +53,7 @@ from streams.settings import Settings
 from streams.state_model import StateGraph
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
+from topics.event_checks import event_time_problem, latency_problem, reward_problem
 from topics.ids import now_micros, uuid7
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
 
@@ -500,8 +500,8 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> dict[str, Any]:
-        if event_time is not None and event_time <= 0:  # the worker dead-letters it (processors/validation.py)
-            raise ValueError(f"event_time must be positive microseconds, got {event_time}")
+        if event_time is not None and (problem := event_time_problem(event_time)) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
         return {
             "event_id": event_id,
             "session_id": session_id,
@@ -602,11 +602,8 @@ class _Emitter:
             if not session_id:
                 raise ValueError("a reward for a bare logical_event_id needs its session_id (the partition key)")
         event_id = event_id or uuid7()
-        # the worker's checks (processors/validation.py), here so a bad reward raises instead of becoming a dead letter
-        if not math.isfinite(value := float(value)):
-            raise ValueError(f"reward value must be finite, got {value}")
-        if not 0.0 <= (confidence := float(confidence)) <= 1.0:
-            raise ValueError(f"confidence must be in [0, 1], got {confidence}")
+        if (problem := reward_problem(value := float(value), confidence := float(confidence))) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
         record = {
             "envelope": self._envelope(
                 event_id=event_id,
@@ -789,8 +786,8 @@ class AgentStream(_Emitter):
     ) -> str:
         if latency_ms is None:
             latency_ms = max(0.0, (now_micros() - step.dispatched_at) / 1000.0) if step.dispatched_at else 0.0
-        if not (math.isfinite(latency_ms := float(latency_ms)) and latency_ms >= 0):
-            raise ValueError(f"latency_ms must be a finite non-negative number, got {latency_ms}")
+        if (problem := latency_problem(latency_ms := float(latency_ms))) is not None:
+            raise ValueError(problem)
         event_id = uuid7()
         record = {
             "envelope": self._envelope(
