@@ -245,8 +245,8 @@ class StepProcessor:
             if everything and not entry.repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
-        for partition in catching_up:  # the windows the batch moved the watermark past close now, not at the tick
-            await self._fire_due(partition, self.watermarks.watermark(partition), ctx)
+        for partition, behind in catching_up.items():  # the windows the batch moved the watermark past close now
+            await self._fire_due(partition, self.watermarks.watermark(partition), ctx, behind)
 
     def _episode_reward(self, event: InputEvent) -> None:
         """Say once if episode rewards arrive with no credit processor to spread them: they stay in raw_events."""
@@ -291,7 +291,10 @@ class StepProcessor:
                 if progress is not None:
                     await self._expire_due(partition, progress, ctx)
 
-    async def _fire_due(self, partition: int, watermark: int | None, ctx: ProcessingContext) -> None:
+    async def _fire_due(
+        self, partition: int, watermark: int | None, ctx: ProcessingContext, catching_up: bool | None = None
+    ) -> None:
+        """Close the partition's due steps and report its due orphans; `catching_up` if the caller knows it."""
         heap, waiting = self._due[partition], self._waiting[partition]
         due: set[str] = set()
         while heap and watermark is not None and heap[0][0] <= watermark:
@@ -301,7 +304,8 @@ class StepProcessor:
             elif waiting.get(lid) == at:  # else stale: the step was rescheduled or no longer waits
                 del waiting[lid]
                 due.add(lid)
-        catching_up = self._catching_up(partition, ctx)
+        if catching_up is None:
+            catching_up = self._catching_up(partition, ctx)
         for lid in sorted(due):
             key = lid.encode()
             state = self._load(key, partition)
