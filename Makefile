@@ -4,16 +4,29 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
+# cargo builds treadle_native (native/: the Avro record codec); rustup puts it in ~/.cargo/bin.
+CARGO ?= $(shell command -v cargo 2>/dev/null || ls $(HOME)/.cargo/bin/cargo 2>/dev/null)
+NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 
-.PHONY: install demo test test-gpu lint bench bench-weaving up down clean
+.PHONY: install native demo test test-gpu lint bench bench-weaving up down clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.native
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
+
+# Without cargo treadle still runs, on its generated Python codec (slower); tests/test_avro_native.py then fails.
+$(VENV)/.native: $(VENV)/.installed $(NATIVE_SOURCES)
+	@if [ -z "$(CARGO)" ]; then \
+		echo "cargo not found: treadle_native is not built (install Rust from https://rustup.rs, then make install)"; \
+	else \
+		PATH="$(dir $(CARGO)):$$PATH" $(BIN)/pip install -q ./native && touch $@; \
+	fi
+
+native: $(VENV)/.native
 
 demo: install
 	$(BIN)/treadle up
@@ -46,4 +59,4 @@ down: install
 	$(BIN)/treadle down
 
 clean:
-	rm -rf $(VENV) .treadle .pytest_cache .ruff_cache
+	rm -rf $(VENV) .treadle .pytest_cache .ruff_cache native/target

@@ -29,6 +29,7 @@ from streams.garbage_collection import freeze_startup_objects, tune_collector
 from streams.local.process import pid_alive
 from streams.run_info import SqlEndpoint
 from streams.settings import Settings
+from topics import native_codec
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.registry import SchemaRegistry
@@ -114,7 +115,8 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.sql_port).start()
     SqlEndpoint(pid=os.getpid(), port=settings.sql_port).write(settings)
-    log.info("SQL and /metrics on %s:%d; sinking to %s", settings.bind_host, settings.sql_port, store.database)
+    log.info("SQL and /metrics on %s:%d; sinking to %s; Avro codec: %s", settings.bind_host, settings.sql_port,
+             store.database, native_codec.describe())  # fmt: skip
     freeze_startup_objects()
     sink = asyncio.create_task(consumer.run())
     try:

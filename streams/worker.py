@@ -22,6 +22,7 @@ from streams.gpu import RESOURCE_SAMPLE, GpuTelemetry
 from streams.metrics_page import add_metrics_page
 from streams.run_info import SqlEndpoint, WorkerInfo
 from streams.settings import Settings
+from topics import native_codec
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -150,4 +151,5 @@ class TreadleWorker(faust.Worker):
         if self.sink is not None:
             await self.sink.wait_ready()
         s = self.treadle_settings
+        log.info("Avro codec: %s", native_codec.describe())
         WorkerInfo(pid=os.getpid(), web_port=s.web_port, embedded_clickhouse=s.embedded_clickhouse).write(s)

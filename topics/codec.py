@@ -20,6 +20,7 @@ from typing import Any
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro._read_common import SchemaResolutionError
 
+from topics import native_codec
 from topics.avro_reader import RecordReader, compile_reader
 from topics.avro_writer import RecordWriter, UnsupportedSchema, compile_writer
 from topics.schemas import AvroSchema, SchemaSet
@@ -55,11 +56,12 @@ class AvroCodec:
     ) -> None:
         self.schemas = schemas or SchemaSet.load()
         self._lookup = lookup
+        self.native = native_codec.enabled()  # records go through treadle_native (topics/native_codec.py)
         self._writers: dict[str, RecordWriter | None] = {}  # generated writers by schema name; None: fastavro only
         self._readers: dict[int, RecordReader | None] = {}  # generated readers by writer fingerprint; None: fastavro
 
     def encode(self, schema_name: str, record: dict[str, Any]) -> bytes:
-        """Header + Avro binary; the generated writer first, fastavro for what it does not take (same bytes)."""
+        """Header + Avro binary: the native or generated writer, fastavro for what it does not take (same bytes)."""
         try:
             writer = self._writers[schema_name]
         except KeyError:
@@ -80,9 +82,14 @@ class AvroCodec:
         return buf.getvalue()
 
     def _compile(self, schema_name: str) -> RecordWriter | None:
+        """The native writer (topics/native_codec.py), else the generated one, else None (fastavro only)."""
         schema = self.schemas[schema_name]  # KeyError for an unknown name, before anything is cached
+        prefix = HEADER.pack(MAGIC, schema.fingerprint)
+        native = native_codec.record_codec(schema.json, prefix) if self.native else None
+        if native is not None:
+            return native.encode  # type: ignore[no-any-return]
         try:
-            return compile_writer(schema.json, HEADER.pack(MAGIC, schema.fingerprint))
+            return compile_writer(schema.json, prefix)
         except UnsupportedSchema:
             return None
 
@@ -142,7 +149,7 @@ class AvroCodec:
         try:
             read = self._readers[writer.fingerprint]
         except KeyError:
-            read = self._readers[writer.fingerprint] = _compiled_reader(writer)
+            read = self._readers[writer.fingerprint] = _compiled_reader(writer, self.native)
         if read is None:
             return None, 0
         try:
@@ -157,7 +164,11 @@ class AvroCodec:
         return record
 
 
-def _compiled_reader(schema: AvroSchema) -> RecordReader | None:
+def _compiled_reader(schema: AvroSchema, native_allowed: bool) -> RecordReader | None:
+    """The native reader (topics/native_codec.py), else the generated one, else None (fastavro only)."""
+    native = native_codec.record_codec(schema.json) if native_allowed else None
+    if native is not None:
+        return native.decode  # type: ignore[no-any-return]
     try:
         return compile_reader(schema.json)
     except UnsupportedSchema:
