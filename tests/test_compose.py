@@ -97,8 +97,13 @@ def test_every_bind_mount_and_build_file_exists(services: dict[str, dict[str, An
             context = REPO_ROOT / build["context"]
             dockerfile = context / build["dockerfile"]
             assert dockerfile.is_file(), f"{name} builds from missing {dockerfile}"
-            for line in dockerfile.read_text().splitlines():
-                if line.startswith("COPY "):
+            text = dockerfile.read_text()
+            stages = set(re.findall(r"^FROM \S+ AS (\S+)$", text, flags=re.MULTILINE))
+            for line in text.splitlines():
+                if line.startswith("COPY --from="):  # from an earlier build stage, not the context
+                    stage = line.split()[1].removeprefix("--from=")
+                    assert stage in stages, f"{dockerfile.name} copies from unknown stage {stage}"
+                elif line.startswith("COPY "):
                     for source in line.split()[1:-1]:
                         assert (context / source).exists(), f"{dockerfile.name} copies missing {source}"
     assert checked >= 3
