@@ -18,6 +18,7 @@ from bench.common import Measurement, write_measurements
 from processors.intake import Accepted, Intake, SourceMessage
 from processors.reward_policy import PolicyBook, load_policy_file
 from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
+from processors.step_state_codec import StepStateCodec
 from processors.validation import InputValidator
 from streams.settings import Settings
 from topics.catalog import TopicCatalog
@@ -78,6 +79,7 @@ def fold(settings: Settings, messages: list[SourceMessage]) -> Measurement:
     intake = Intake(codec, catalog, InputValidator(ToolSchemas()))
     policies = PolicyBook([load_policy_file(settings.reward_policy)]) if settings.reward_policy else None
     assembler = StepAssembler(policies)
+    states = StepStateCodec(codec)
     table: dict[bytes, bytes] = {}
     outputs = 0
     started = time.perf_counter()
@@ -87,9 +89,9 @@ def fold(settings: Settings, messages: list[SourceMessage]) -> Measurement:
             continue
         key = read.record["envelope"]["logical_event_id"].encode()
         stored = table.get(key)
-        state = StepState.from_bytes(stored) if stored is not None else StepState(key.decode())
-        if assembler.fold(state, read.schema_name, read.record):
-            table[key] = state.to_bytes()
+        state = states.decode(stored) if stored is not None else StepState(key.decode())
+        if assembler.fold(state, read.schema_name, read.record, message.value):
+            table[key] = states.encode(state)
         for schema_name, derived in assembler.outputs(state):
             codec.encode(schema_name, derived)
             outputs += 1

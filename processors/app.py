@@ -191,8 +191,8 @@ def build_pipeline(
         # aiokafka's send() waits while its partition's batch is full until the sender drains it (one request
         # per broker in flight), so 16 KiB batches made a worker wait on round trips mid-batch.
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
-        # The step changelog is most of what a worker writes to Kafka (~2.5 records of ~2.7 KB of JSON per step);
-        # zstd shrinks those batches ~8x, for the broker's disk and CPU and for recovery (TREADLE_OUTPUT_COMPRESSION).
+        # The step changelog is most of what a worker writes to Kafka (~2 records of ~1.5 KB of Avro per step);
+        # zstd shrinks those batches ~5.7x, for the broker's disk and CPU and for recovery (TREADLE_OUTPUT_COMPRESSION).
         producer_compression_type=None if settings.output_compression == "none" else settings.output_compression,
         # Records one getmany hands out: a batch (TREADLE_PROCESS_BATCH_SIZE) is read in several, and each picks the
         # input partitions to read again, so co-partitioned inputs stay in step (processors/input_alignment.py).

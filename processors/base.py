@@ -20,6 +20,7 @@ import faust
 from processors.intake import SourceMessage
 from streams.metrics import WorkerMetrics
 from streams.settings import Settings
+from topics.codec import AvroCodec
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class InputEvent:
 
 class ProcessingContext(Protocol):
     metrics: WorkerMetrics  # the worker's Prometheus metrics, for processors that measure something
+    codec: AvroCodec  # the worker's codec (it knows the schema registry), for processors that store input events
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         """Send a derived record to the topic its schema belongs to (acked before input offsets commit)."""

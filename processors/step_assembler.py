@@ -1,5 +1,7 @@
 """Step assembly and reward weaving: a step's dispatch, tool results and rewards become its rows.
 
+How a StepState is stored: processors/step_state_codec.py.
+
 What a step's rows say is a pure function of the *set* of events seen and the reward policy, never
 of their arrival order, so a replay after a crash ends in exactly the rows of an uninterrupted run:
 - a result or reward that arrives before its dispatch waits in the step's state;
@@ -24,8 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 from processors.fusion import Component, fuse
 from processors.reward_policy import Imputation, PolicyBook, RewardPolicy, RewardSpec
@@ -53,6 +53,9 @@ class StepState:
     passed: list[str] = field(default_factory=list)  # required spec keys whose window passed while it was missing
     imputed: dict[str, float] = field(default_factory=dict)  # spec key -> value, fixed when its window passed
     orphans: list[str] = field(default_factory=list)  # rewards reported as orphans (no dispatch in time)
+    # event_id -> the Avro bytes the event arrived with, where the worker has them: storing the state then encodes
+    # nothing again (processors/step_state_codec.py). A cache, never part of what the state says.
+    raw: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def event_ids(self) -> set[str]:
@@ -79,38 +82,6 @@ class StepState:
     @property
     def dispatched_us(self) -> int | None:
         return None if self.dispatch is None else self.dispatch["envelope"]["event_time"]
-
-    def to_bytes(self) -> bytes:
-        return orjson.dumps(
-            {
-                "l": self.logical_event_id,
-                "d": self.dispatch,
-                "t": self.results,
-                "r": self.rewards,
-                "x": self.extra_dispatches,
-                "p": self.partition,
-                "v": self.reward_policy,
-                "w": self.passed,
-                "i": self.imputed,
-                "o": self.orphans,
-            }
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> StepState:
-        doc = orjson.loads(data)
-        return cls(
-            logical_event_id=doc["l"],
-            dispatch=doc["d"],
-            results=doc["t"],
-            rewards=doc["r"],
-            extra_dispatches=doc["x"],
-            partition=doc.get("p"),
-            reward_policy=doc.get("v"),
-            passed=doc.get("w", []),
-            imputed=doc.get("i", {}),
-            orphans=doc.get("o", []),
-        )
 
 
 @dataclass(frozen=True)
@@ -142,8 +113,9 @@ class StepAssembler:
 
     # --- folding -------------------------------------------------------------------------------------------------
 
-    def fold(self, state: StepState, schema_name: str, record: dict[str, Any]) -> bool:
-        """Add one event to the step; False when it was already folded in (a duplicate) or is not the step's."""
+    def fold(self, state: StepState, schema_name: str, record: dict[str, Any], raw: bytes | None = None) -> bool:
+        """Add one event to the step; False when it was already folded in (a duplicate) or is not the step's.
+        `raw`: the event's single-object Avro bytes, if the caller has them (kept to store the state)."""
         event_id = record["envelope"]["event_id"]
         if state.has_event(event_id) or is_episode_reward(schema_name, record):
             return False
@@ -155,6 +127,8 @@ class StepAssembler:
             state.rewards[event_id] = record
         else:
             raise ValueError(f"step assembler does not take {schema_name}")
+        if raw is not None and (schema_name != DISPATCH or state.dispatch is record):
+            state.raw[event_id] = raw
         return True
 
     def _add_dispatch(self, state: StepState, record: dict[str, Any]) -> None:
@@ -164,6 +138,7 @@ class StepAssembler:
             state.dispatch = record
             if current is not None:
                 state.extra_dispatches.append(current["envelope"]["event_id"])
+                state.raw.pop(current["envelope"]["event_id"], None)
         else:
             state.extra_dispatches.append(record["envelope"]["event_id"])
         state.extra_dispatches.sort()

@@ -41,6 +41,7 @@ from processors.policy_topic import PolicyTopic
 from processors.reward_policy import Imputation, PolicyBook, load_policy_file
 from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, Weave, is_episode_reward
 from processors.step_expiry import StepExpiry
+from processors.step_state_codec import StepStateCodec
 from processors.watermarks import Watermarks
 from processors.write_behind import WriteBehind
 from streams.settings import Settings
@@ -128,10 +129,11 @@ class StepProcessor:
         self._warned_episode_reward = False
         # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
+        self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
-            app, self.name, settings, help="StepState per logical_event_id, serialized with orjson."
+            app, self.name, settings, help="StepState per logical_event_id (processors/step_state_codec.py)."
         )
         self.expiry.setup(app, settings, self.name)
         self.catch_up_backlog = settings.catch_up_backlog
@@ -161,6 +163,7 @@ class StepProcessor:
 
     def attach(self, ctx: ProcessingContext) -> None:
         self.ctx = ctx
+        self.states = StepStateCodec(ctx.codec)
 
     async def write_out(self) -> None:
         """Write the changed steps to the table (RocksDB + changelog): before every offset commit, when a rebalance
@@ -175,7 +178,7 @@ class StepProcessor:
             if unwritten.partition not in active:
                 dropped += 1  # revoked: its offsets are not committed here, the new owner replays its inputs
                 continue
-            value = unwritten.value.to_bytes()
+            value = self.states.encode(unwritten.value)
             await table_writes.put_in_partition(self.table, unwritten.key, value, unwritten.partition, ctx)
         if dropped:
             log.info("%d changed steps of partitions no longer assigned here were not written: their new owner "
@@ -212,7 +215,7 @@ class StepProcessor:
                     state.partition = event.source.partition
                     entry = touched[key] = _Touched(state, event, _Before.of(state))
                 joined_before = _joined_rewards(entry.state)
-                folded = self.assembler.fold(entry.state, event.schema_name, event.record)
+                folded = self.assembler.fold(entry.state, event.schema_name, event.record, event.source.value)
                 entry.changed |= folded
                 if folded:
                     entry.before.folded.add(env["event_id"])
@@ -403,7 +406,7 @@ class StepProcessor:
         state = self._unwritten.get(key) or self._decoded.get(key, self._generation())
         if state is None:
             stored = table_writes.get_in_partition(self.table, key, partition)
-            state = StepState.from_bytes(stored) if stored is not None else None
+            state = self.states.decode(stored) if stored is not None else None
         return state
 
     def _generation(self) -> int:
@@ -446,7 +449,7 @@ class StepProcessor:
         self._waiting.clear()
         count = 0
         for _, stored in self.table.data.items():
-            state = StepState.from_bytes(stored)
+            state = self.states.decode(stored)
             self._schedule(state)
             count += 1
         waiting = sum(len(h) for h in self._due.values())

@@ -117,16 +117,6 @@ def test_an_orphan_is_reported_and_resolved_if_its_dispatch_comes_after_all() ->
     assert [r["reason"] for r in resolved] == ["ORPHAN_RESOLVED"] and resolved[0]["revision"] == 2
 
 
-def test_state_round_trips_through_bytes() -> None:
-    a, state = assembler(), StepState("l-1")
-    a.fold(state, DISPATCH, at(dispatch("s-1", "l-1", 0, 1), 0))
-    a.fold(state, REWARD, signal("l-1", "judge", 1.0, 2, 2))
-    state.partition = 2
-    a.pass_windows(state, T0 + 1000 * S)
-    again = StepState.from_bytes(state.to_bytes())
-    assert again == state and rows(a, again) == rows(a, state)
-
-
 # --- order independence ------------------------------------------------------------------------------------------
 
 
