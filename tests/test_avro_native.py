@@ -17,7 +17,7 @@ from fastavro import parse_schema, schemaless_writer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.test_avro_reader import EVERY_TYPE, corrupted, fastavro_read, same
+from tests.test_avro_reader import EVERY_TYPE, MALFORMED, corrupted, fastavro_read, same, several_blocks
 from tests.test_avro_writer import (
     MISSING,
     NAMES,
@@ -125,12 +125,6 @@ def test_corrupted_bytes_are_read_as_fastavro_reads_them_or_refused(data: st.Dat
     assert same(mine, fastavro_read(SCHEMAS[name].parsed, bad, HEADER.size))
 
 
-def _long(value: int) -> bytes:
-    buf = io.BytesIO()
-    schemaless_writer(buf, "long", value)
-    return buf.getvalue()
-
-
 def _fastavro(schema: Any, record: Any) -> bytes:
     buf = io.BytesIO()
     schemaless_writer(buf, parse_schema(schema), record)
@@ -138,32 +132,13 @@ def _fastavro(schema: Any, record: Any) -> bytes:
 
 
 def test_blocks_with_negative_counts_and_sizes_read_as_in_fastavro() -> None:
-    fields = [{"name": "a", "type": {"type": "array", "items": "long"}},
-              {"name": "m", "type": {"type": "map", "values": "string"}}]  # fmt: skip
-    schema = {"type": "record", "name": "B", "fields": fields}
-    array = _long(2) + _long(1) + _long(2) + _long(-1) + _long(1) + _long(300) + _long(0)
-    entry = _long(1) + b"k" + _long(1) + b"v"
-    mapping = _long(-1) + _long(len(entry)) + entry + _long(1) + _long(1) + b"j" + _long(0) + _long(0)
-    data = array + mapping
+    schema, data, record = several_blocks()
     got = treadle_native.RecordCodec(json.dumps(schema)).decode(data, 0)
     assert got == fastavro_read(parse_schema(schema), data, 0)
-    assert got[0] == {"a": [1, 2, 300], "m": {"k": "v", "j": ""}}
+    assert got[0] == record
 
 
-@pytest.mark.parametrize(
-    "field_type, data",
-    [
-        ("boolean", b"\x02"),  # neither 0 nor 1
-        ({"type": "enum", "name": "E", "symbols": ["A"]}, _long(1)),  # no such symbol
-        ({"type": "enum", "name": "E", "symbols": ["A"]}, _long(-1)),
-        (["null", "long"], _long(2)),  # no such branch
-        ("long", b"\xff" * 10 + b"\x01"),  # longer than 64 bits
-        ("string", _long(-2)),  # negative length
-        ("string", _long(5) + b"ab"),  # runs past the end
-        ("string", _long(1) + b"\xff"),  # not UTF-8
-        ("double", b"\x00" * 7),
-    ],
-)
+@pytest.mark.parametrize("field_type, data", MALFORMED)
 def test_bytes_it_does_not_vouch_for_are_refused(field_type: Any, data: bytes) -> None:
     schema = {"type": "record", "name": "R", "fields": [{"name": "f", "type": field_type}]}
     with pytest.raises(treadle_native.Refused):

@@ -399,13 +399,9 @@ impl RecordCodec {
             Node::Array(items) => {
                 let list = PyList::empty(py);
                 loop {
-                    let mut n = read_long(data, pos)?;
+                    let n = read_block_count(data, pos)?;
                     if n == 0 {
                         break;
-                    }
-                    if n < 0 {
-                        n = -n;
-                        read_long(data, pos)?; // block size in bytes
                     }
                     for _ in 0..n {
                         list.append(self.read(py, items, data, pos)?)
@@ -417,13 +413,9 @@ impl RecordCodec {
             Node::Map(values) => {
                 let dict = PyDict::new(py);
                 loop {
-                    let mut n = read_long(data, pos)?;
+                    let n = read_block_count(data, pos)?;
                     if n == 0 {
                         break;
-                    }
-                    if n < 0 {
-                        n = -n;
-                        read_long(data, pos)?;
                     }
                     for _ in 0..n {
                         let raw = read_span(data, pos)?;
@@ -471,6 +463,18 @@ fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
         }
     }
     Ok(((n >> 1) as i64) ^ -((n & 1) as i64))
+}
+
+/// The item count of an array's or map's next block (0: the last one). A negative count is followed by the block's
+/// size in bytes (Java writers use it to skip blocks), which reading item by item does not need.
+#[inline]
+fn read_block_count(data: &[u8], pos: &mut usize) -> R<i64> {
+    let n = read_long(data, pos)?;
+    if n >= 0 {
+        return Ok(n);
+    }
+    read_long(data, pos)?;
+    n.checked_neg().ok_or(Reject)
 }
 
 #[inline]
