@@ -265,6 +265,13 @@ def gc_time(text: str) -> str:
     return "garbage collection: " + (", ".join(parts) if parts else "no metrics")
 
 
+def collector_seconds(text: str) -> tuple[float, float] | None:
+    """The worker's treadle_gc_seconds_total on a /metrics page: (all generations, full collections); None if absent."""
+    family = "treadle_gc_seconds_total"
+    seconds = metric(text, family + "{")
+    return None if seconds is None else (seconds, metric(text, family + '{generation="2"}') or 0.0)
+
+
 def metric(text: str, prefix: str) -> float | None:
     """Sum of the samples on a /metrics page whose line starts with `prefix` (a name, the start of its labels)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]

@@ -127,6 +127,7 @@ def throughput(ctx: Context) -> bool:
         *cpu_notes(run.cpu_s, elapsed, len(events)),
         *([f"= {len(events) / run.cpu_s:,.0f} events/s if it had the whole core"] if run.cpu_s else []),
         f"by thread: {run.by_thread}",
+        *([f"of it in the cycle collector: {run.gc_s[0]:.2f}s ({run.gc_s[1]:.2f}s full)"] if run.gc_s else []),
         f"loadavg before {load_before}, after {loadavg()}",
     ]
     measured = Measurement(

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
+from bench.weaving_report import collector_seconds, scrape
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
 from streams.producer import producer_config
 from streams.run_info import SqlEndpoint
@@ -219,6 +220,7 @@ class CatchUp:
     watch: Watch
     cpu_s: float | None
     by_thread: str = ""
+    gc_s: tuple[float, float] | None = None  # the worker's cycle collector meanwhile: (all generations, full only)
 
 
 def backlog_catch_up(
@@ -243,16 +245,21 @@ def backlog_catch_up(
     try:
         worker.wait_ready(120)
         spy = py_spy(worker.pid, profile) if profile is not None else None
+        gc_before = collector_seconds(scrape(settings.web_port))
         cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        gc_after = collector_seconds(scrape(settings.web_port))
         stop_spy(spy)
     finally:
         if spy is not None and spy.poll() is None:
             spy.kill()
         worker.stop()
     used = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after))
+    gc_s = None
+    if gc_before is not None and gc_after is not None:
+        gc_s = (gc_after[0] - gc_before[0], gc_after[1] - gc_before[1])
+    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s)
 
 
 def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:

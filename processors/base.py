@@ -23,9 +23,9 @@ from streams.settings import Settings
 from topics.codec import AvroCodec
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per input event, and a frozen dataclass takes ~4x longer to build
 class InputEvent:
-    """A decoded, valid input event with where it came from."""
+    """A decoded, valid input event with where it came from (never changed once built)."""
 
     schema_name: str
     record: dict[str, Any]

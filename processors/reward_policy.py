@@ -29,6 +29,11 @@ from processors.fusion import FusionPolicy
 DAY_S = 86_400.0
 
 
+def seconds_to_us(seconds: float) -> int:
+    """Event times are integer microseconds; spec durations are float seconds."""
+    return round(seconds * 1_000_000)
+
+
 class Imputation(StrEnum):
     """What stands in for a required source that has not arrived when its step's window closes."""
 
@@ -59,7 +64,8 @@ class RewardSpec(BaseModel):
             raise ValueError(f"spec {self.key}: imputation 'default' needs a default_value")
         return self
 
-    @property
+    # Cached: read for every reward of every step touched; the model is frozen.
+    @cached_property
     def key(self) -> str:
         return f"{self.source}/{self.name}"
 
@@ -67,6 +73,14 @@ class RewardSpec(BaseModel):
     def deadline_s(self) -> float:
         """Seconds after dispatch past which this source's rewards are late."""
         return self.window_s + self.grace_s
+
+    @cached_property
+    def window_us(self) -> int:
+        return seconds_to_us(self.window_s)
+
+    @cached_property
+    def deadline_us(self) -> int:
+        return seconds_to_us(self.deadline_s)
 
     def matches(self, source: str, name: str) -> bool:
         return self.source == source and self.name in ("*", name)
@@ -135,6 +149,10 @@ class PolicyBook:
         self._policies[policy.version] = policy
         self._order = sorted(self._policies.values(), key=lambda p: (p.effective_from_us, p.version))
         self._starts = [p.effective_from_us for p in self._order]
+        # whether any version imputes a rolling mean (else a worker need not keep recent values)
+        self.imputes_rolling_means = any(
+            spec.imputation is Imputation.ROLLING_MEAN for p in self._order for spec in p.specs
+        )
 
     def for_dispatch(self, dispatch_us: int) -> RewardPolicy:
         """The newest policy effective at `dispatch_us` (runs for every event: a bisect, not a scan)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from processors.fusion import Component, fuse
-from processors.reward_policy import Imputation, PolicyBook, RewardPolicy, RewardSpec
+from processors.reward_policy import Imputation, PolicyBook, RewardPolicy, RewardSpec, seconds_to_us
 
 DISPATCH = "treadle.events.ActionDispatched"
 RESULT = "treadle.events.ToolResult"
@@ -161,7 +161,7 @@ class StepAssembler:
             if dispatched is None:
                 on_time.append((event_id, reward, spec))  # undecided until the dispatch comes
                 continue
-            lateness = reward["envelope"]["event_time"] - (dispatched + _us(spec.deadline_s))
+            lateness = reward["envelope"]["event_time"] - (dispatched + spec.deadline_us)
             if lateness > 0:
                 late.append((event_id, reward, spec, lateness))
             else:
@@ -170,7 +170,7 @@ class StepAssembler:
         sources = {source for source, _ in present}
         missing = [s for s in policy.required if not _present(s, sources, present)]
         waiting = [s for s in missing if s.key not in state.passed]
-        ends = [_us(s.window_s) for s in waiting]
+        ends = [s.window_us for s in waiting]
         next_window = dispatched + min(ends) if ends and dispatched is not None else None
         return Weave(on_time, late, missing, waiting, next_window)
 
@@ -185,14 +185,13 @@ class StepAssembler:
         dispatched = state.dispatch["envelope"]["event_time"]
         passed = state.passed
         if all(
-            spec.key in passed or dispatched + _us(spec.window_s) > watermark_us
-            for spec in self.policy_of(state).required
+            spec.key in passed or dispatched + spec.window_us > watermark_us for spec in self.policy_of(state).required
         ):
             # No unrecorded required window has passed: nothing can be due, skip the weave (this runs for every
             # step a batch touches). Windows of sources already in are never recorded, so after they pass, the
             # weave below runs and finds nothing due.
             return False
-        due = [spec for spec in self.weave(state).waiting if dispatched + _us(spec.window_s) <= watermark_us]
+        due = [spec for spec in self.weave(state).waiting if dispatched + spec.window_us <= watermark_us]
         for spec in due:
             state.passed.append(spec.key)
             if spec.imputation is Imputation.DEFAULT:
@@ -221,7 +220,7 @@ class StepAssembler:
             if latest is None:
                 deadlines = [spec.deadline_s for spec in policy.specs]
                 deadlines.append(policy.default_window_s + policy.default_grace_s)
-                latest = self._latest_deadline_us[policy.version] = _us(max(deadlines))
+                latest = self._latest_deadline_us[policy.version] = seconds_to_us(max(deadlines))
             return state.dispatch["envelope"]["event_time"] + latest
         events = [*state.rewards.values(), *state.results.values()]
         return max(self.orphan_deadline_us(event) for event in events)
@@ -266,7 +265,7 @@ class StepAssembler:
                 attributes=r["envelope"].get("attributes") or {},
                 evidence=r.get("evidence"),
                 # in grace: how far past its window (event time) the reward came
-                lateness_ms=max(0, r["envelope"]["event_time"] - dispatched - _us(spec.window_s)) // 1000,
+                lateness_ms=max(0, r["envelope"]["event_time"] - dispatched - spec.window_us) // 1000,
                 event_time=r["envelope"]["event_time"],
             )
             for event_id, r, spec in weave.on_time
@@ -282,7 +281,7 @@ class StepAssembler:
                     weight=spec.weight,
                     evidence=f"{spec.imputation} imputation: no {spec.key} reward within {spec.window_s:g} s",
                     imputed=True,
-                    event_time=dispatched + _us(spec.window_s),
+                    event_time=dispatched + spec.window_us,
                 )
                 for spec in weave.missing
                 if spec.key in state.imputed
@@ -372,7 +371,7 @@ class StepAssembler:
             detail=f"{lateness_us / 1e6:.3f} s after window {spec.window_s:g} s + grace {spec.grace_s:g} s "
             f"of {spec.key} (policy {state.reward_policy})",
             lateness_us=lateness_us,
-            deadline_us=state.dispatched_us + _us(spec.deadline_s),
+            deadline_us=state.dispatched_us + spec.deadline_us,
             revision=2 if event_id in state.orphans else 1,
             policy=state.reward_policy or "",
         )
@@ -385,7 +384,7 @@ class StepAssembler:
             reason="ORPHAN_RESOLVED",
             detail=f"its dispatch arrived after the orphan wait; woven into step {state.dispatch['step']}",  # type: ignore[index]
             lateness_us=0,
-            deadline_us=state.dispatched_us + _us(spec.deadline_s),
+            deadline_us=state.dispatched_us + spec.deadline_us,
             revision=2,
             policy=state.reward_policy or "",
         )
@@ -393,7 +392,7 @@ class StepAssembler:
     def orphan_deadline_us(self, event: dict[str, Any]) -> int:
         """When a reward (or tool result) with no dispatch stops waiting for one, in event time."""
         policy = self.policies.for_dispatch(event["envelope"]["event_time"])
-        return event["envelope"]["event_time"] + _us(policy.orphan_wait_s)
+        return event["envelope"]["event_time"] + seconds_to_us(policy.orphan_wait_s)
 
     def orphan(self, state: StepState, event_id: str) -> dict[str, Any]:
         """Report a reward whose dispatch did not come within the orphan wait (marks it in the state)."""
@@ -406,7 +405,7 @@ class StepAssembler:
             reward,
             reason="ORPHAN",
             detail=f"no dispatch for logical_event_id {state.logical_event_id} within {policy.orphan_wait_s:g} s",
-            lateness_us=_us(policy.orphan_wait_s),
+            lateness_us=seconds_to_us(policy.orphan_wait_s),
             deadline_us=self.orphan_deadline_us(reward),
             revision=1,
             policy=policy.version,
@@ -447,10 +446,6 @@ def _late_record(
 def _present(spec: RewardSpec, sources: set[str], present: set[tuple[str, str]]) -> bool:
     """spec.matches any present (source, name), as set lookups (this runs for every step touched)."""
     return spec.source in sources if spec.name == "*" else (spec.source, spec.name) in present
-
-
-def _us(seconds: float) -> int:
-    return round(seconds * 1_000_000)
 
 
 def _order_key(record: dict[str, Any]) -> tuple[int, str]:

@@ -216,15 +216,16 @@ class StepProcessor:
                     entry = touched[key] = _Touched(state, event, _Before.of(state))
                 joined_before = _joined_rewards(entry.state)
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record, event.source.value)
-                entry.changed |= folded
                 if folded:
+                    entry.changed = True
                     entry.before.folded.add(env["event_id"])
-                    entry.reshaped |= event.schema_name != REWARD
+                    if event.schema_name == REWARD:
+                        self._remember(event.record)
+                    else:
+                        entry.reshaped = True
+                    _observe_joins(entry.state, joined_before, joined_at, ctx)
                 else:
                     entry.repeated = True
-                if folded and event.schema_name == REWARD:
-                    self._remember(event.record)
-                _observe_joins(entry.state, joined_before, joined_at, ctx)
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
         for (partition, topic), event_time in newest.items():
@@ -480,6 +481,8 @@ class StepProcessor:
                 ctx.metrics.late_rewards.labels(record["source"]).inc()
 
     def _remember(self, reward: dict[str, Any]) -> None:
+        if not self.assembler.policies.imputes_rolling_means:
+            return  # nothing reads them (the common case: skip the policy and spec look-ups for every reward)
         policy = self.assembler.policies.for_dispatch(reward["envelope"]["event_time"])
         spec = self.assembler.spec_for(policy, reward["source"], reward["name"])
         if spec.imputation is not Imputation.ROLLING_MEAN:

@@ -215,10 +215,11 @@ class Settings(BaseModel):
         "2.2 GB per table partition.",
     )
     gc_thresholds: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
-        default=(700, 10, 100),
+        default=(100_000, 10, 20),
         description="TREADLE_GC_THRESHOLDS: gc.set_threshold of the worker and sink processes, comma-separated; "
-        "the third is 10x CPython's, since full collections walk every parsed step and free next to nothing "
-        "(streams/garbage_collection.py).",
+        "the first is above what one input batch allocates, so its short-lived objects die before a young "
+        "collection walks them, and full collections, which walk every parsed step and free next to nothing, "
+        "are rare (streams/garbage_collection.py).",
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -44,7 +44,9 @@ async def send_garbage(settings: Settings) -> None:
 def test_metrics_after_a_workload(deployment: Settings, worker_factory) -> None:
     expected = make_workload(random.Random(5), sessions=4, steps=5)
     events = [e for step in expected for e in step.events]
-    worker = worker_factory().start()
+    # Young collections every 700 allocations, CPython's default, so this small workload has some to count (the
+    # default waits for 100,000).
+    worker = worker_factory(deployment.model_copy(update={"gc_thresholds": (700, 10, 100)})).start()
     worker.wait_ready()
     asyncio.run(produce(deployment, events))
     asyncio.run(send_garbage(deployment))
