@@ -6,7 +6,7 @@ What a step's rows say is a pure function of the *set* of events seen and the re
 of their arrival order, so a replay after a crash ends in exactly the rows of an uninterrupted run:
 - a result or reward that arrives before its dispatch waits in the step's state;
 - duplicates (same event_id) change nothing; they re-emit the current rows, in case a crash lost
-  the first emission;
+  the first emission, unless this process has emitted them itself (then a crash would have restarted it);
 - a reward is *late* when its event_time is after dispatch + window + grace of its source (event
   time, see processors/reward_policy.py): it goes to late rewards, never into the step;
 - the first WovenReward comes once every required source has a reward in time, or once the
@@ -56,6 +56,9 @@ class StepState:
     # event_id -> the Avro bytes the event arrived with, where the worker has them: storing the state then encodes
     # nothing again (processors/step_state_codec.py). A cache, never part of what the state says.
     raw: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
+    # Whether this process published every row of the step as it stands (never stored: a step read from the table
+    # has not been). A duplicate then has nothing to re-emit (processors/step_processor.py, publishes_all).
+    emitted: bool = field(default=False, compare=False, repr=False)
 
     @property
     def event_ids(self) -> set[str]:

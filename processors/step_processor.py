@@ -85,13 +85,21 @@ class _Touched:
     changed: bool = False
     reshaped: bool = False  # a dispatch or tool result was folded, or a window passed
     repeated: bool = False  # an event was already folded: a replay, or a duplicate sent by the producer
+    emitted: bool = False  # this process had published every row of the step before the batch
+
+    @property
+    def republishes(self) -> bool:
+        """A repeated event republishes the step's rows, unless this process published them itself: a record it
+        failed to produce would have crashed it, and a restarted worker reads the step from the table again."""
+        return self.repeated and not self.emitted
 
 
 def publishes_all(weave: Weave | None, folded: set[str], *, reshaped: bool, repeated: bool) -> bool:
     """Whether a change to a step publishes all its rows, or only its late-rewards rows.
 
     `folded`: the event ids the change folded in; `reshaped`: a dispatch or tool result among them, or a window
-    passed; `repeated`: an event was already folded. A reward folded while the step still waits for a required
+    passed; `repeated`: an event was already folded, and this process has not published the step's rows itself
+    (_Touched.republishes). A reward folded while the step still waits for a required
     source changes only the pending Transition's revision and updated_at, and a reward after grace only adds its
     late-rewards row: neither is worth a Transition. The next visible change publishes the higher revision (the
     final rows always come: passing the last waiting window is a visible change). A repeated event republishes
@@ -213,7 +221,7 @@ class StepProcessor:
                 if entry is None:
                     state = self._load(key, event.source.partition) or StepState(key.decode())
                     state.partition = event.source.partition
-                    entry = touched[key] = _Touched(state, event, _Before.of(state))
+                    entry = touched[key] = _Touched(state, event, _Before.of(state), emitted=state.emitted)
                 joined_before = _joined_rewards(entry.state)
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record, event.source.value)
                 if folded:
@@ -245,8 +253,11 @@ class StepProcessor:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
             self._schedule(state, weave)
-            everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=entry.repeated)
-            if everything and not entry.repeated and self._defers(key, partition, state, weave, catching_up[partition]):
+            repeated = entry.republishes
+            if not entry.changed and not repeated:
+                continue  # only events this process folded and published already
+            everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=repeated)
+            if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         for partition, behind in catching_up.items():  # the windows the batch moved the watermark past close now
@@ -264,6 +275,7 @@ class StepProcessor:
 
     def _changed(self, key: bytes, state: StepState, partition: int) -> None:
         """The step changed: written out before the next offset commit (processors/write_behind.py)."""
+        state.emitted = False  # until _publish sends its rows
         self._unwritten.mark(key, partition, state)
         self._decoded.wrote(key, state, self._generation())
 
@@ -479,6 +491,7 @@ class StepProcessor:
             await ctx.publish(schema_name, record, key=key)
             if schema_name == LATE and before.newly_not_woven(record):
                 ctx.metrics.late_rewards.labels(record["source"]).inc()
+        state.emitted = everything or weave is None
 
     def _remember(self, reward: dict[str, Any]) -> None:
         if not self.assembler.policies.imputes_rolling_means:

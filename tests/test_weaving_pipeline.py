@@ -502,3 +502,47 @@ def test_a_window_the_input_moves_the_watermark_past_closes_with_that_batch_not_
     asyncio.run(produce(settings_, later))
     assert wait_for(lambda: status(1) if status(1) == "complete" else None, 60, "step B complete") == "complete"
     assert wait_for(lambda: status(0) if status(0) != "pending" else None, 30, "step A closed") == "partial"
+
+
+def test_a_duplicate_republishes_a_step_only_when_this_worker_process_has_not_published_it(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Step A is complete. A duplicate of its judge reward sent to the worker that published A's rows publishes no
+    new Transition: a row it had failed to produce would have stopped it. After a restart the worker reads A from its
+    table and cannot know whether A's rows reached Kafka: the same duplicate republishes them. Each duplicate is
+    followed by the dispatch of a new step of the same session (same partition, read after it) to know it was read."""
+    settings_ = weaving_settings(deployment, tmp_path)
+    session, a = f"dup-{uuid7()[-10:]}", uuid7()
+    base = int(time.time() * S) - 86_400 * S
+
+    def at(record: dict, seconds: float) -> dict:
+        record["envelope"]["event_time"] = base + int(seconds * S)
+        return record
+
+    judged = at(reward(session, a, 2, 1.0, "judge", 1.0), 1)
+    human = at(reward(session, a, 3, 0.5, "human", 1.0), 2)
+
+    def statuses(lid: str) -> list[str]:
+        """reward_status of every Transition of the step on the topic."""
+        published = asyncio.run(published_transitions(settings_))
+        return [t["reward_status"] for t in published if t["logical_event_id"] == lid]
+
+    def duplicate_then_marker(step: int) -> None:
+        marker = uuid7()
+        asyncio.run(
+            produce(settings_, [(REWARD, judged), (DISPATCH, at(dispatch(session, marker, step, 9 + step), 3))])
+        )
+        wait_for(lambda: statuses(marker), 60, f"step {step}'s pending row")
+
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    asyncio.run(produce(settings_, [(DISPATCH, at(dispatch(session, a, 0, 1), 0)), (REWARD, judged), (REWARD, human)]))
+    published = wait_for(lambda: (found := statuses(a)) and "complete" in found and found, 60, "step A complete")
+    duplicate_then_marker(1)
+    assert statuses(a) == published, "the worker that published A republished it for a duplicate"
+    worker.stop()
+    worker = worker_factory(settings_).start()
+    worker.wait_ready()
+    duplicate_then_marker(2)
+    again = statuses(a)[len(published) :]  # more than one if the restart replayed inputs it had not committed
+    assert again and set(again) == {"complete"}, "a restarted worker did not republish A for a duplicate"
