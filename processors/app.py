@@ -197,6 +197,7 @@ def build_pipeline(
         # Records one getmany hands out: a batch (TREADLE_PROCESS_BATCH_SIZE) is read in several, and each picks the
         # input partitions to read again, so co-partitioned inputs stay in step (processors/input_alignment.py).
         broker_max_poll_records=min(settings.process_batch_size, POLL_RECORDS),
+        broker_commit_every=settings.commit_every,
     )
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:

@@ -98,6 +98,13 @@ class Settings(BaseModel):
         description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (a backlog fills "
         "it; live input makes smaller batches, see TREADLE_PROCESS_BATCH_SECONDS).",
     )
+    commit_every: int = Field(
+        default=50_000,
+        ge=1,
+        description="TREADLE_COMMIT_EVERY: input records acked between offset commits when the worker reads them "
+        "faster than Faust's 2.8 s commit interval (a backlog). Each commit writes out the steps changed since the "
+        "last one, so fewer commits write a step fewer times; a crash replays what was not committed.",
+    )
     process_batch_seconds: float = Field(
         default=0.05,
         description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
