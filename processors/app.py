@@ -240,13 +240,14 @@ async def handle_batch(pipeline: Pipeline, messages: list[Any]) -> None:
     read_in: Counter[tuple[str, str]] = Counter()
     for message in messages:
         source = SourceMessage.of(message, timestamp_ms=int(message.timestamp * 1000))
-        expected = pipeline.next_offsets.get((source.topic, source.partition))
+        where = (source.topic, source.partition)
+        expected = pipeline.next_offsets.get(where)
         if expected is not None and source.offset > expected:
             # Input topics have no transactions or compaction, so offsets are contiguous: a jump means the
             # consumer skipped records (or the partition came back after another worker processed them).
             log.warning("input offsets %s[%d]@%d..%d were not processed here", source.topic, source.partition,
                         expected, source.offset - 1)  # fmt: skip
-        pipeline.next_offsets[(source.topic, source.partition)] = source.offset + 1
+        pipeline.next_offsets[where] = source.offset + 1
         read = pipeline.intake.read(source)
         if isinstance(read, Rejected) and read.unknown_writer:
             read = await pipeline.intake.read_after_reload(source)

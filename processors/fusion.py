@@ -208,7 +208,7 @@ class Conflict:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen, like Component: one per woven reward
 class Fused:
     """The fused value with its explanation; value == sum of contributions + sum of adjustments (up to rounding)."""
 

@@ -52,7 +52,7 @@ class SourceMessage:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per input record, like SourceMessage
 class Accepted:
     schema_name: str
     record: dict[str, Any]

@@ -56,7 +56,7 @@ EXPIRE_PER_TICK = 20_000  # steps deleted per partition and tick at most, so one
 UNWRITTEN_STEPS = 10_000  # changed steps held back before a write-out (else at the next offset commit)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Before:
     """What the late-rewards metric needs to know of a step before a batch or tick changed it."""
 
@@ -77,7 +77,7 @@ class _Before:
         return reason == "ORPHAN" or event_id in self.folded or not self.dispatched
 
 
-@dataclass
+@dataclass(slots=True)
 class _Touched:
     state: StepState
     event: InputEvent  # any event of the step: all share its session's partition

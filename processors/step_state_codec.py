@@ -52,16 +52,19 @@ class StepStateCodec:
         self._own = AvroCodec(SchemaSet([AvroSchema.from_json(STEP_STATE_SCHEMA)]))
 
     def encode(self, state: StepState) -> bytes:
-        dispatch = state.dispatch
+        dispatch, raw, encode = state.dispatch, state.raw, self.events.encode
         return self._own.encode(
             STEP_STATE,
             {
                 "logical_event_id": state.logical_event_id,
                 "partition": state.partition,
                 "reward_policy": state.reward_policy,
-                "dispatch": None if dispatch is None else self._bytes(state, DISPATCH, dispatch),
-                "results": {k: self._bytes(state, RESULT, r) for k, r in state.results.items()},
-                "rewards": {k: self._bytes(state, REWARD, r) for k, r in state.rewards.items()},
+                # an event's bytes as it arrived (results and rewards are keyed by event_id), else encoded again
+                "dispatch": None
+                if dispatch is None
+                else raw.get(dispatch["envelope"]["event_id"]) or encode(DISPATCH, dispatch),
+                "results": {k: raw.get(k) or encode(RESULT, r) for k, r in state.results.items()},
+                "rewards": {k: raw.get(k) or encode(REWARD, r) for k, r in state.rewards.items()},
                 "extra_dispatches": state.extra_dispatches,
                 "passed": state.passed,
                 "imputed": state.imputed,
@@ -88,10 +91,6 @@ class StepStateCodec:
             orphans=doc["orphans"],
             raw=raw,
         )
-
-    def _bytes(self, state: StepState, schema_name: str, record: dict[str, Any]) -> bytes:
-        """The event's bytes as it arrived, else encoded again."""
-        return state.raw.get(record["envelope"]["event_id"]) or self.events.encode(schema_name, record)
 
     def _event(self, schema_name: str, data: bytes, raw: dict[str, bytes]) -> dict[str, Any]:
         record = self.events.decode(data, expect=schema_name)[1]

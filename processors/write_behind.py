@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class Unwritten(Generic[T]):
     key: bytes
     partition: int
