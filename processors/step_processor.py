@@ -99,11 +99,11 @@ def publishes_all(weave: Weave | None, folded: set[str], *, reshaped: bool, repe
 
     `folded`: the event ids the change folded in; `reshaped`: a dispatch or tool result among them, or a window
     passed; `repeated`: an event was already folded, and this process has not published the step's rows itself
-    (_Touched.republishes). A reward folded while the step still waits for a required
-    source changes only the pending Transition's revision and updated_at, and a reward after grace only adds its
-    late-rewards row: neither is worth a Transition. The next visible change publishes the higher revision (the
-    final rows always come: passing the last waiting window is a visible change). A repeated event republishes
-    everything, in case a crash lost the first publication (it may replay an input whose offset was not committed).
+    (_Touched.republishes). A reward folded while the step still waits for a required source changes only the
+    pending Transition's revision and updated_at, and a reward after grace only adds its late-rewards row: neither
+    is worth a Transition. The next visible change publishes the higher revision (the final rows always come:
+    passing the last waiting window is a visible change). A repeated event republishes everything, in case a crash
+    lost the first publication (it may replay an input whose offset was not committed).
     """
     if repeated or reshaped or weave is None:
         return True
