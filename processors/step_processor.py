@@ -251,11 +251,11 @@ class StepProcessor:
                 await self._index_expiry(key, state, partition, ctx)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
-            weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
-            self._schedule(state, weave)
             repeated = entry.republishes
             if not entry.changed and not repeated:
-                continue  # only events this process folded and published already
+                continue  # only events this process folded and published already: its rows and timers stand
+            weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
+            self._schedule(state, weave)
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=repeated)
             if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
