@@ -7,6 +7,7 @@
 //! byte and value for value (tests/test_avro_native.py). About 4x faster than the generated Python per record.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, TryLockError};
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -49,6 +50,63 @@ struct EnumDef {
     index: HashMap<String, usize>,
 }
 
+/// Slots of a codec's cache of decoded strings (a power of two), and the longest string it keeps.
+const RECENT_STRINGS: usize = 4096;
+const RECENT_STRING_MAX: usize = 64;
+
+/// Strings this codec decoded lately, one per slot, by a hash of their bytes. Events repeat most of their strings
+/// (session, episode, agent, logical_event_id, policy version, reward source and name, attribute keys): a string
+/// still in its slot is handed out again, the same object, so a batch of records allocates, keeps and frees a
+/// fraction of the strings it would. A new string takes over its slot; unique ones (event ids) just pass through.
+struct RecentStrings {
+    slots: Vec<Option<Py<PyString>>>,
+}
+
+impl RecentStrings {
+    fn new() -> Self {
+        RecentStrings { slots: (0..RECENT_STRINGS).map(|_| None).collect() }
+    }
+
+    /// No slots: every string is a new object.
+    fn none() -> Self {
+        RecentStrings { slots: Vec::new() }
+    }
+
+    fn get<'py>(&mut self, py: Python<'py>, s: &str) -> Bound<'py, PyString> {
+        if s.len() > RECENT_STRING_MAX || self.slots.is_empty() {
+            return PyString::new(py, s);
+        }
+        let slot = &mut self.slots[slot_of(s.as_bytes())];
+        if let Some(known) = slot {
+            let known = known.bind(py);
+            if known.to_str().is_ok_and(|k| k == s) {
+                return known.clone();
+            }
+        }
+        let fresh = PyString::new(py, s);
+        *slot = Some(fresh.clone().unbind());
+        fresh
+    }
+}
+
+/// The slot of a string's bytes: a multiply-rotate hash over 8-byte words, its top bits.
+#[inline]
+fn slot_of(bytes: &[u8]) -> usize {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mut h = bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for word in &mut words {
+        h = (h.rotate_left(5) ^ u64::from_le_bytes(word.try_into().unwrap())).wrapping_mul(K);
+    }
+    let rest = words.remainder();
+    if !rest.is_empty() {
+        let mut last = [0u8; 8];
+        last[..rest.len()].copy_from_slice(rest);
+        h = (h.rotate_left(5) ^ u64::from_le_bytes(last)).wrapping_mul(K);
+    }
+    (h >> (64 - RECENT_STRINGS.trailing_zeros())) as usize
+}
+
 /// A value or bytes not ours to write or read (raised to Python as `Refused`).
 struct Reject;
 
@@ -61,6 +119,7 @@ pub struct RecordCodec {
     records: Vec<Record>,
     enums: Vec<EnumDef>,
     prefix: Vec<u8>,
+    recent: Mutex<RecentStrings>,
 }
 
 /// Turns schema JSON into Nodes, keeping named types as it meets their definitions (Avro defines a name before use).
@@ -340,6 +399,7 @@ impl RecordCodec {
         node: &Node,
         data: &[u8],
         pos: &mut usize,
+        strings: &mut RecentStrings,
     ) -> R<Bound<'py, PyAny>> {
         Ok(match node {
             Node::Null => py.None().into_bound(py),
@@ -377,13 +437,13 @@ impl RecordCodec {
             Node::Str => {
                 let raw = read_span(data, pos)?;
                 let s = std::str::from_utf8(raw).map_err(|_| Reject)?;
-                PyString::new(py, s).into_any()
+                strings.get(py, s).into_any()
             }
             Node::Bytes => PyBytes::new(py, read_span(data, pos)?).into_any(),
             Node::Record(id) => {
                 let dict = PyDict::new(py);
                 for (key, field) in &self.records[*id].fields {
-                    let value = self.read(py, field, data, pos)?;
+                    let value = self.read(py, field, data, pos, strings)?;
                     dict.set_item(key.bind(py), value).map_err(|_| Reject)?;
                 }
                 dict.into_any()
@@ -404,7 +464,7 @@ impl RecordCodec {
                         break;
                     }
                     for _ in 0..n {
-                        list.append(self.read(py, items, data, pos)?)
+                        list.append(self.read(py, items, data, pos, strings)?)
                             .map_err(|_| Reject)?;
                     }
                 }
@@ -420,7 +480,8 @@ impl RecordCodec {
                     for _ in 0..n {
                         let raw = read_span(data, pos)?;
                         let key = std::str::from_utf8(raw).map_err(|_| Reject)?;
-                        let value = self.read(py, values, data, pos)?;
+                        let key = strings.get(py, key);
+                        let value = self.read(py, values, data, pos, strings)?;
                         dict.set_item(key, value).map_err(|_| Reject)?;
                     }
                 }
@@ -436,7 +497,7 @@ impl RecordCodec {
                 if is_null {
                     py.None().into_bound(py)
                 } else {
-                    self.read(py, inner, data, pos)?
+                    self.read(py, inner, data, pos, strings)?
                 }
             }
         })
@@ -510,6 +571,7 @@ impl RecordCodec {
             records: compiler.records,
             enums: compiler.enums,
             prefix,
+            recent: Mutex::new(RecentStrings::new()),
         })
     }
 
@@ -534,8 +596,19 @@ impl RecordCodec {
         pos: usize,
     ) -> PyResult<(Bound<'py, PyAny>, usize)> {
         let mut at = pos;
+        // Never waits: the lock is only ever held by a decode under the GIL, so it is busy only when this thread
+        // re-entered decode (a finalizer run by a collection mid-read) or another one took the GIL while a
+        // finalizer released it. Then this record's strings are all new objects. A poisoned lock still holds
+        // valid strings.
+        let mut held = match self.recent.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let mut uncached = RecentStrings::none();
+        let strings = held.as_deref_mut().unwrap_or(&mut uncached);
         let record = self
-            .read(py, &self.root, data, &mut at)
+            .read(py, &self.root, data, &mut at, strings)
             .map_err(|_| Refused::new_err("bytes not well-formed for the schema"))?;
         Ok((record, at))
     }
