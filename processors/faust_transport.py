@@ -51,6 +51,8 @@ import faust
 from aiokafka import TopicPartition
 from faust.exceptions import ProducerSendError
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types.tuples import ack_lock
+from mode.utils.futures import notify
 
 from processors.input_alignment import MAX_SKEW_S, InputAlignment, records_behind, records_left
 from streams.batching import DeliveryCallback, PartitionBatcher
@@ -176,11 +178,36 @@ class ResumingConsumer(faust_aiokafka.Consumer):
 
         async def fold_then_ack() -> None:
             await handle(batch)
-            for message in batch:
-                self.ack(message)
+            self._ack_all(batch)
 
         # Shielded: cancelling the fetch loop (a stop) must not leave a batch half folded.
         await asyncio.shield(fold_then_ack())
+
+    def _ack_all(self, batch: list[Any]) -> None:
+        """Faust's Consumer.ack for every record of a handled batch, with its lock taken, its topics looked up and
+        its ack waiter woken once per batch, not per record (~2% of a worker's CPU)."""
+        committed_offsets, acked_indexes, acked = self._committed_offset, self._acked_index, self._acked
+        unacked = self._unacked_messages
+        acks_enabled: dict[str, bool] = {}
+        with ack_lock:
+            for message in batch:
+                if message.acked:
+                    continue
+                message.acked = True
+                enabled = acks_enabled.get(message.topic)
+                if enabled is None:
+                    enabled = acks_enabled[message.topic] = self.app.topics.acks_enabled_for(message.topic)
+                if not enabled:
+                    continue
+                tp, offset = message.tp, message.offset
+                committed = committed_offsets[tp]
+                acked_index = acked_indexes[tp]
+                if (committed is None or offset >= committed) and offset not in acked_index:
+                    unacked.discard(message)
+                    acked_index.add(offset)
+                    acked[tp].append(offset)
+                    self._n_acked += 1
+            notify(self._waiting_for_ack)
 
     def _commit_in_background(self) -> None:
         """Commit every `broker_commit_every` acked records without pausing the input: Faust awaits that commit in
