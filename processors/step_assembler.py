@@ -183,8 +183,16 @@ class StepAssembler:
         Only a missing source's window changes the rows (partial or imputed): passing the window of a source
         already in changes nothing, so it is not recorded (see the revision in the module docstring).
         """
+        return self.settle_windows(state, watermark_us, rolling_means)[0]
+
+    def settle_windows(
+        self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None
+    ) -> tuple[bool, Weave | None]:
+        """pass_windows, and the weave it made to find what is due when nothing was: the state is as it was, so a
+        caller about to weave it takes this one (a step whose windows passed with its sources in would be woven
+        twice for every change)."""
         if state.dispatch is None:
-            return False
+            return False, None
         dispatched = state.dispatch["envelope"]["event_time"]
         passed = state.passed
         if all(
@@ -193,8 +201,11 @@ class StepAssembler:
             # No unrecorded required window has passed: nothing can be due, skip the weave (this runs for every
             # step a batch touches). Windows of sources already in are never recorded, so after they pass, the
             # weave below runs and finds nothing due.
-            return False
-        due = [spec for spec in self.weave(state).waiting if dispatched + spec.window_us <= watermark_us]
+            return False, None
+        weave = self.weave(state)
+        due = [spec for spec in weave.waiting if dispatched + spec.window_us <= watermark_us]
+        if not due:
+            return False, weave
         for spec in due:
             state.passed.append(spec.key)
             if spec.imputation is Imputation.DEFAULT:
@@ -202,7 +213,7 @@ class StepAssembler:
             elif spec.imputation is Imputation.ROLLING_MEAN and rolling_means and spec.key in rolling_means:
                 state.imputed[spec.key] = rolling_means[spec.key]
         state.passed.sort()
-        return bool(due)
+        return True, None
 
     # --- rows ----------------------------------------------------------------------------------------------------
 
@@ -417,7 +428,10 @@ class StepAssembler:
 
 def is_episode_reward(schema_name: str, record: dict[str, Any]) -> bool:
     """Episode-level rewards (attribute scope=episode) judge no single step: credit assignment spreads them."""
-    return schema_name == REWARD and (record["envelope"].get("attributes") or {}).get("scope") == "episode"
+    if schema_name != REWARD:
+        return False
+    attributes = record["envelope"].get("attributes")  # asked twice for every input event: no `or {}` dict
+    return attributes is not None and attributes.get("scope") == "episode"
 
 
 def _late_record(

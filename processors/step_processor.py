@@ -66,7 +66,7 @@ class _Before:
 
     @classmethod
     def of(cls, state: StepState) -> _Before:
-        return cls(tuple(state.orphans), state.dispatch is not None)
+        return cls(tuple(state.orphans) if state.orphans else (), state.dispatch is not None)
 
     def newly_not_woven(self, late: dict[str, Any]) -> bool:
         """A late-rewards row counts once: an orphan when first reported; a reward after grace when folded, or when
@@ -86,6 +86,7 @@ class _Touched:
     reshaped: bool = False  # a dispatch or tool result was folded, or a window passed
     repeated: bool = False  # an event was already folded: a replay, or a duplicate sent by the producer
     emitted: bool = False  # this process had published every row of the step before the batch
+    new: bool = False  # the step was in neither the table nor memory: its expiry entry needs no look-up
 
     @property
     def republishes(self) -> bool:
@@ -219,9 +220,12 @@ class StepProcessor:
             entry = touched.get(key)
             try:
                 if entry is None:
-                    state = self._load(key, event.source.partition) or StepState(key.decode())
+                    loaded = self._load(key, event.source.partition)
+                    state = loaded or StepState(key.decode())
                     state.partition = event.source.partition
-                    entry = touched[key] = _Touched(state, event, _Before.of(state), emitted=state.emitted)
+                    entry = touched[key] = _Touched(
+                        state, event, _Before.of(state), emitted=state.emitted, new=loaded is None
+                    )
                 joined_before = _joined_rewards(entry.state)
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record, event.source.value)
                 if folded:
@@ -244,17 +248,19 @@ class StepProcessor:
             catching_up[partition] = self._catching_up(partition, ctx)
         for key, entry in touched.items():
             state, partition = entry.state, entry.event.source.partition
-            if self._settle(state, ctx):
+            settled, weave = self._settle(state, ctx)
+            if settled:
                 entry.changed = entry.reshaped = True
             if entry.changed:
                 self._changed(key, state, partition)
-                await self._index_expiry(key, state, partition, ctx)
+                await self._index_expiry(key, state, partition, ctx, new=entry.new)
             else:
                 self._decoded.forget(key)  # a failed fold may have changed it without a write
             repeated = entry.republishes
             if not entry.changed and not repeated:
                 continue  # only events this process folded and published already: its rows and timers stand
-            weave = self.assembler.weave(state) if state.dispatch is not None else None  # once for both below
+            if weave is None and state.dispatch is not None:
+                weave = self.assembler.weave(state)  # once for both below
             self._schedule(state, weave)
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=repeated)
             if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
@@ -329,7 +335,7 @@ class StepProcessor:
                 continue
             before = _Before.of(state)
             weave = None
-            if self._settle(state, ctx):
+            if self._settle(state, ctx)[0]:
                 self._changed(key, state, partition)
                 weave = self.assembler.weave(state) if state.dispatch is not None else None
                 everything = not self._defers(key, partition, state, weave, catching_up)
@@ -382,13 +388,16 @@ class StepProcessor:
 
     # --- expiry --------------------------------------------------------------------------------------------------
 
-    async def _index_expiry(self, key: bytes, state: StepState, partition: int, ctx: ProcessingContext) -> None:
+    async def _index_expiry(
+        self, key: bytes, state: StepState, partition: int, ctx: ProcessingContext, new: bool = False
+    ) -> None:
         """Make sure the step has its expiry entry: looked up once per generation, not only for new steps (after a
-        crash the local table may hold a step whose entry never reached the changelog)."""
+        crash the local table may hold a step whose entry never reached the changelog). A `new` step (not in the
+        table) writes its entry without the look-up: writing one again is harmless (processors/step_expiry.py)."""
         expires = self.expiry.expires_us(self.assembler.horizon_us(state))
         if self._indexed.get(key, self._generation()) == expires:
             return
-        if not self.expiry.is_indexed(expires, state.logical_event_id, partition):
+        if new or not self.expiry.is_indexed(expires, state.logical_event_id, partition):
             await self.expiry.index(expires, state.logical_event_id, partition, ctx)
         self._indexed.wrote(key, expires, self._generation())
 
@@ -425,19 +434,20 @@ class StepProcessor:
     def _generation(self) -> int:
         return self.table.app.consumer_generation_id
 
-    def _settle(self, state: StepState, ctx: ProcessingContext) -> bool:
-        """Apply what the watermark implies now: close the window, report orphans. True if the state changed."""
+    def _settle(self, state: StepState, ctx: ProcessingContext) -> tuple[bool, Weave | None]:
+        """Apply what the watermark implies now: close the window, report orphans. Whether the state changed, and
+        its weave if one was made on the way and still holds (StepAssembler.settle_windows)."""
         watermark = self.watermarks.watermark(state.partition) if state.partition is not None else None
         if watermark is None:
-            return False
+            return False, None
         if state.dispatch is None:
             changed = False
             for event_id, reward in sorted(state.rewards.items()):
                 if event_id not in state.orphans and self.assembler.orphan_deadline_us(reward) <= watermark:
                     self.assembler.orphan(state, event_id)
                     changed = True
-            return changed
-        return self.assembler.pass_windows(state, watermark, self._rolling_means())
+            return changed, None
+        return self.assembler.settle_windows(state, watermark, self._rolling_means())
 
     def _schedule(self, state: StepState, weave: Weave | None = None) -> None:
         if state.partition is None:

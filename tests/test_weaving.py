@@ -209,6 +209,28 @@ def test_rows_left_unpublished_differ_only_in_revision_and_the_last_published_ar
     assert published.get(WOVEN) == (final[WOVEN][0] if final[WOVEN] else None)
 
 
+@settings(max_examples=100, deadline=None)
+@given(step_events(), st.randoms(use_true_random=False), st.lists(st.floats(0, 300), min_size=1, max_size=6))
+def test_settle_windows_hands_out_the_weave_of_the_state_as_it_stands(
+    events: list[tuple[str, dict]], rnd: random.Random, watermarks: list[float]
+) -> None:
+    """The weave settle_windows made on the way when nothing was due is the state's weave (the worker publishes from
+    it without weaving again); when windows passed it hands out none. It changes the state as pass_windows does."""
+    order = list(events)
+    rnd.shuffle(order)
+    a, state = assembler(), StepState("l-1")
+    twin, twin_state = assembler(), StepState("l-1")
+    for i, (name, record) in enumerate(order):
+        a.fold(state, name, record)
+        twin.fold(twin_state, name, record)
+        watermark = T0 + int(watermarks[i % len(watermarks)] * S)
+        changed, weave = a.settle_windows(state, watermark)
+        assert changed == twin.pass_windows(twin_state, watermark)
+        assert state == twin_state
+        if weave is not None:
+            assert not changed and weave == a.weave(state)
+
+
 # --- watermarks -------------------------------------------------------------------------------------------------
 
 
