@@ -59,7 +59,7 @@ const RECENT_STRING_MAX: usize = 64;
 /// still in its slot is handed out again, the same object, so a batch of records allocates, keeps and frees a
 /// fraction of the strings it would. A new string takes over its slot; unique ones (event ids) just pass through.
 struct RecentStrings {
-    slots: Vec<Option<Py<PyString>>>,
+    slots: Vec<Option<(u64, Py<PyString>)>>, // (hash of its bytes, the string)
 }
 
 impl RecentStrings {
@@ -76,22 +76,26 @@ impl RecentStrings {
         if s.len() > RECENT_STRING_MAX || self.slots.is_empty() {
             return PyString::new(py, s);
         }
-        let slot = &mut self.slots[slot_of(s.as_bytes())];
-        if let Some(known) = slot {
-            let known = known.bind(py);
-            if known.to_str().is_ok_and(|k| k == s) {
-                return known.clone();
+        let hash = hash_of(s.as_bytes());
+        let slot = &mut self.slots[(hash >> (64 - RECENT_STRINGS.trailing_zeros())) as usize];
+        if let Some((known_hash, known)) = slot {
+            // The hash first: the slots are hot, a string that left the cache long ago is not.
+            if *known_hash == hash {
+                let known = known.bind(py);
+                if known.to_str().is_ok_and(|k| k == s) {
+                    return known.clone();
+                }
             }
         }
         let fresh = PyString::new(py, s);
-        *slot = Some(fresh.clone().unbind());
+        *slot = Some((hash, fresh.clone().unbind()));
         fresh
     }
 }
 
-/// The slot of a string's bytes: a multiply-rotate hash over 8-byte words, its top bits.
+/// A multiply-rotate hash over 8-byte words (its top bits pick the slot).
 #[inline]
-fn slot_of(bytes: &[u8]) -> usize {
+fn hash_of(bytes: &[u8]) -> u64 {
     const K: u64 = 0x517c_c1b7_2722_0a95;
     let mut h = bytes.len() as u64;
     let mut words = bytes.chunks_exact(8);
@@ -104,7 +108,7 @@ fn slot_of(bytes: &[u8]) -> usize {
         last[..rest.len()].copy_from_slice(rest);
         h = (h.rotate_left(5) ^ u64::from_le_bytes(last)).wrapping_mul(K);
     }
-    (h >> (64 - RECENT_STRINGS.trailing_zeros())) as usize
+    h
 }
 
 /// A value or bytes not ours to write or read (raised to Python as `Refused`).
