@@ -38,5 +38,5 @@ async def test_a_long_wait_for_acks_is_reported_once_with_the_task_stacks(caplog
     finally:
         stuck.cancel()
     [record] = caplog.records
-    assert record.getMessage().startswith("waited 0 s for 3 handed-out input messages to be acked")
+    assert record.getMessage().startswith("waited 0 s for 3 handed-out input batches or messages to be acked")
     assert "fold-batch-8" in record.getMessage() and "await never.wait()" in record.getMessage()
