@@ -75,7 +75,7 @@ STACK_FIELDS = (
 
 def bench_settings(home: Path, run_id: str, partitions: int) -> Settings:
     """The private stack's settings: non-default ports, a temporary home, the repository's Kafka jar cache; the
-    rest from the environment, so a tuning variable (TREADLE_PROCESS_BATCH_SIZE=4000 python -m bench...) is what the
+    rest from the environment, so a tuning variable (TREADLE_PROCESS_BATCH_SIZE=16000 python -m bench...) is what the
     worker runs with. A worker's environment is rebuilt from these settings (Settings.to_env), so a variable left out
     here would be overridden by its default."""
     own: dict[str, object] = dict(

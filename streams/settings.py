@@ -94,7 +94,7 @@ class Settings(BaseModel):
         "(`treadle processors` lists them: steps, state, safety, credit, safety_judge, llm_judge).",
     )
     process_batch_size: int = Field(
-        default=4000,
+        default=8000,
         description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (a backlog fills "
         "it; live input makes smaller batches, see TREADLE_PROCESS_BATCH_SECONDS).",
     )
