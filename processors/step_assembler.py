@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from processors.fusion import Component, fuse
+from processors.recent_values import RecentValues
 from processors.reward_policy import Imputation, PolicyBook, RewardPolicy, RewardSpec, seconds_to_us
 
 DISPATCH = "treadle.events.ActionDispatched"
@@ -177,16 +178,16 @@ class StepAssembler:
         next_window = dispatched + min(ends) if ends and dispatched is not None else None
         return Weave(on_time, late, missing, waiting, next_window)
 
-    def pass_windows(self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None) -> bool:
+    def pass_windows(self, state: StepState, watermark_us: int, recent: RecentValues | None = None) -> bool:
         """Mark the windows of missing sources the watermark passed, imputing where the spec says; True if any.
 
         Only a missing source's window changes the rows (partial or imputed): passing the window of a source
         already in changes nothing, so it is not recorded (see the revision in the module docstring).
         """
-        return self.settle_windows(state, watermark_us, rolling_means)[0]
+        return self.settle_windows(state, watermark_us, recent)[0]
 
     def settle_windows(
-        self, state: StepState, watermark_us: int, rolling_means: dict[str, float] | None = None
+        self, state: StepState, watermark_us: int, recent: RecentValues | None = None
     ) -> tuple[bool, Weave | None]:
         """pass_windows, and the weave it made to find what is due when nothing was: the state is as it was, so a
         caller about to weave it takes this one (a step whose windows passed with its sources in would be woven
@@ -210,8 +211,10 @@ class StepAssembler:
             state.passed.append(spec.key)
             if spec.imputation is Imputation.DEFAULT:
                 state.imputed[spec.key] = float(spec.default_value)  # type: ignore[arg-type]
-            elif spec.imputation is Imputation.ROLLING_MEAN and rolling_means and spec.key in rolling_means:
-                state.imputed[spec.key] = rolling_means[spec.key]
+            elif spec.imputation is Imputation.ROLLING_MEAN and recent is not None:
+                mean = recent.mean(spec.key, spec.rolling_count)  # the step's own spec's count
+                if mean is not None:
+                    state.imputed[spec.key] = mean
         state.passed.sort()
         return True, None
 

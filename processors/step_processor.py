@@ -28,7 +28,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from processors import table_writes
 from processors.base import InputEvent, ProcessingContext
 from processors.decoded_rows import DecodedRows
 from processors.policy_topic import PolicyTopic
+from processors.recent_values import RecentValues
 from processors.reward_policy import Imputation, PolicyBook, load_policy_file
 from processors.step_assembler import LATE, REWARD, STEP_INPUTS, StepAssembler, StepState, Weave, is_episode_reward
 from processors.step_expiry import StepExpiry
@@ -127,7 +128,7 @@ class StepProcessor:
         self._waiting: dict[int, dict[str, int]] = defaultdict(dict)
         self._indexed_for: frozenset[Any] | None = None  # the assignment the timer queues were built for
         self._lock = asyncio.Lock()
-        self._recent: dict[str, deque[float]] = {}  # spec key -> recent values, for rolling-mean imputation
+        self._recent = RecentValues()  # for rolling-mean imputation
         self.policy_topic: PolicyTopic | None = None
         self._decoded: DecodedRows[StepState] = DecodedRows(STEP_CACHE_SIZE)
         self.expiry = StepExpiry()
@@ -447,7 +448,7 @@ class StepProcessor:
                     self.assembler.orphan(state, event_id)
                     changed = True
             return changed, None
-        return self.assembler.settle_windows(state, watermark, self._rolling_means())
+        return self.assembler.settle_windows(state, watermark, self._recent)
 
     def _schedule(self, state: StepState, weave: Weave | None = None) -> None:
         if state.partition is None:
@@ -510,13 +511,7 @@ class StepProcessor:
         spec = self.assembler.spec_for(policy, reward["source"], reward["name"])
         if spec.imputation is not Imputation.ROLLING_MEAN:
             return  # nothing reads it (a policy that starts imputing it later starts from its next values)
-        values = self._recent.get(spec.key)
-        if values is None:
-            values = self._recent[spec.key] = deque(maxlen=spec.rolling_count)
-        values.append(float(reward["value"]))
-
-    def _rolling_means(self) -> dict[str, float]:
-        return {key: sum(v) / len(v) for key, v in self._recent.items() if v}
+        self._recent.add(spec.key, float(reward["value"]), spec.rolling_count)
 
 
 def _joined_rewards(state: StepState) -> int:
