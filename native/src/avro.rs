@@ -64,7 +64,9 @@ struct RecentStrings {
 
 impl RecentStrings {
     fn new() -> Self {
-        RecentStrings { slots: (0..RECENT_STRINGS).map(|_| None).collect() }
+        RecentStrings {
+            slots: (0..RECENT_STRINGS).map(|_| None).collect(),
+        }
     }
 
     /// No slots: every string is a new object.
