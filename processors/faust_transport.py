@@ -202,8 +202,10 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                     continue
                 tp, offset = message.tp, message.offset
                 committed = committed_offsets[tp]
+                if committed is not None and offset < committed:
+                    continue  # committed already
                 acked_index = acked_indexes[tp]
-                if (committed is None or offset >= committed) and offset not in acked_index:
+                if offset not in acked_index:
                     acked_index.add(offset)
                     acked[tp].append(offset)
                     self._n_acked += 1
