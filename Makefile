@@ -8,14 +8,14 @@ export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 CARGO ?= $(shell command -v cargo 2>/dev/null || ls $(HOME)/.cargo/bin/cargo 2>/dev/null)
 NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 
-.PHONY: install native demo test test-gpu lint bench bench-weaving up down clean
+.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-weaving up down clean
 
 install: $(VENV)/.installed $(VENV)/.native
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[all,test]'
 	touch $@
 
 # Without cargo treadle still runs, on its generated Python codec (slower); tests/test_avro_native.py then fails.
@@ -32,17 +32,27 @@ demo: install
 	$(BIN)/treadle up
 	$(BIN)/treadle demo
 
+# Everything: lint, the layers contract, then every test (unit and integration: a real Kafka, chDB, Valkey).
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
+
+# The fast inner loop: no servers, under a minute.
+test-unit: install
+	$(BIN)/pytest -q tests/unit
+
+test-integration: install
+	$(BIN)/pytest -q tests/integration
 
 # On a machine with an NVIDIA GPU: the GPU telemetry path (skipped elsewhere), then the whole suite.
 test-gpu: install
-	$(BIN)/pytest -q -rs tests/test_gpu.py
+	$(BIN)/pytest -q -rs tests/unit/test_gpu.py
 	$(BIN)/pytest -q
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check .
 
 bench: install

@@ -13,7 +13,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from streams.settings import REPO_ROOT, Settings, env_var
+from topics.settings import Settings, env_var
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # TREADLE_BENCH_PORT_SHIFT (default 0) moves every port below, so two benchmarks can run on one machine.
 _SHIFT = int(os.environ.get("TREADLE_BENCH_PORT_SHIFT", "0"))
@@ -104,7 +106,7 @@ def tuned_by_environment(settings: Settings) -> list[str]:
 @contextmanager
 def local_stack(settings: Settings) -> Iterator[float]:
     """Start Kafka + Valkey for the run (yields the start-up seconds) and always stop them."""
-    from streams.local.stack import LocalStack
+    from treadle.devstack.stack import LocalStack
 
     stack = LocalStack(settings)
     started = time.perf_counter()

@@ -15,15 +15,15 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.common import Measurement, write_measurements
-from processors.intake import Accepted, Intake, SourceMessage
-from processors.reward_policy import PolicyBook, load_policy_file
-from processors.step_assembler import STEP_INPUTS, StepAssembler, StepState
-from processors.step_state_codec import StepStateCodec
-from processors.validation import InputValidator
-from streams.settings import Settings
+from processors.steps.assembler import STEP_INPUTS, StepAssembler, StepState
+from processors.steps.policy import PolicyBook, load_policy_file
+from processors.steps.state_codec import StepStateCodec
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
+from topics.intake import Accepted, Intake, SourceMessage
+from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
+from topics.validation import InputValidator
 
 SECTION = "2. worker"
 COMMAND = "AIOKafkaConsumer.getmany over the 5 input topics + AvroCodec.decode(value, expect=topic schema)"

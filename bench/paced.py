@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.workload import REWARD, TRANSITION, Planned, WeavingExpectation
-from streams.batching import PartitionBatcher, key_hash
-from streams.settings import Settings
+from streams.sdk.batching import PartitionBatcher, key_hash
 from topics.codec import AvroCodec
+from topics.settings import Settings
 
 COMPLETE_SQL = (
     "SELECT DISTINCT logical_event_id FROM transitions "
@@ -57,7 +57,7 @@ async def send_paced(
     """Send every planned event at its time (event_time = now); with an expectation, note rewards' acks and
     hand steps whose last required reward was just sent to the poller.
 
-    Events go the way the SDK sends them (streams/batching.py): appended to their partition's batch, the key's
+    Events go the way the SDK sends them (streams/sdk/batching.py): appended to their partition's batch, the key's
     murmur2 computed once per session. aiokafka's `send()` per event took ~29% of the bench's CPU (py-spy at
     5,000 events/s), on the core the sink shares.
     """
@@ -144,7 +144,7 @@ class CompletePoller:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop` is set and nothing is pending (or until the horizon has passed since)."""
-        from streams.sql_client import QueryFailedError, run_sql
+        from sinks.sql_client import QueryFailedError, run_sql
 
         stopped_at: float | None = None
         while True:

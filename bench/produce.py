@@ -1,9 +1,9 @@
 """Section 1: SDK produce rate vs raw aiokafka sending the same number of pre-encoded events.
 
-All use the SDK's producer configuration (streams.producer.producer_config: acks=all, idempotence, linger 5 ms)
+All use the SDK's producer configuration (streams.sdk.producer.producer_config: acks=all, idempotence, linger 5 ms)
 and one shared producer; all end with every event acknowledged by the broker. The target compares the SDK with
 `send()`, the call most producers use. The SDK itself hands events over with aiokafka's batch API
-(create_batch / send_batch, streams/batching.py), so a plain loop over that API with the same pre-encoded events is
+(create_batch / send_batch, streams/sdk/batching.py), so a plain loop over that API with the same pre-encoded events is
 printed beside them: what the SDK's own work (records, ids, Avro, ack tracking) costs on top of the API it uses.
 """
 
@@ -17,13 +17,13 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 
 from bench.common import Measurement, median_run
 from bench.workload import encoded_events, make_steps
-from streams.batching import default_partition
-from streams.producer import producer_config
-from streams.sdk import AgentStream
-from streams.settings import Settings
+from streams.sdk.batching import default_partition
+from streams.sdk.producer import producer_config
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
+from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
+from treadle import AgentStream
 
 SECTION = "1. SDK produce"
 SDK_COMMAND = (

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, help="record the worker with py-spy (raw/collapsed) into this file")
     parser.add_argument(
         "--worker-cmd",
-        help="run this instead of `python -m streams.cli worker` (to compare variants; it must announce itself "
+        help="run this instead of `python -m treadle.cli worker` (to compare variants; it must announce itself "
         "in <home>/worker/worker.json like `treadle worker` does)",
     )
     parser.add_argument("--json", type=Path, help="also write the measurements as JSON here")
@@ -215,7 +215,7 @@ def _produce(base, args: argparse.Namespace) -> list[Measurement]:
     import asyncio
 
     from bench.produce import produce_section
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
 
     settings = base.model_copy(update={"topic_prefix": f"{base.topic_prefix}p", "app_id": f"{base.app_id}p"})
     asyncio.run(prepare_cluster(settings))

@@ -18,8 +18,8 @@ from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.writer import ClickHouseSink
-from streams.settings import Settings
 from topics.codec import AvroCodec
+from topics.settings import Settings
 
 SECTION = "3. sink"
 SINK_DB, DIRECT_DB = "bench_sink", "bench_direct"

@@ -7,7 +7,7 @@
    Baseline: the same deltas applied to a plain dict.
 3. History on chDB, one session grown to --nodes live nodes by the fold (updates and deletes, so there are more
    intervals than nodes; auto `causes` edges too), landed through sinks.rows into the migrated tables in sink-sized
-   inserts. p50 of "state at version V" (streams/state_history.py: nodes, edges, and the whole read_state) and
+   inserts. p50 of "state at version V" (treadle/state/history.py: nodes, edges, and the whole read_state) and
    "nodes caused by tool X in the last 5 minutes" (one session; all sessions). Baseline, same run, same data:
    the earlier cut's layout (one ReplacingMergeTree(closed) interval table read with FINAL, commit ba1d64d).
 """
@@ -28,10 +28,11 @@ from typing import Any
 
 import orjson
 
-from processors.state_graph import DELTA, DISPATCH, RESULT, FoldConfig, MemoryStore, SessionState, StateFold
+from processors.state.graph import FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
-from streams.sql_client import arrow_queries, run_sql, run_sql_arrow
-from streams.state_history import caused_by_tool_sql, edges_sql, nodes_sql, read_state, read_state_arrow, state_at
+from sinks.sql_client import arrow_queries, run_sql, run_sql_arrow
+from topics.names import DISPATCH, STATE_DELTA, TOOL_RESULT
+from treadle.state.history import caused_by_tool_sql, edges_sql, nodes_sql, read_state, read_state_arrow, state_at
 
 SESSION = "bench-session"
 TOOLS = ["search", "write", "browse", "calc"]
@@ -78,7 +79,7 @@ def history_workload(total_nodes: int, per_delta: int, start: int, span_us: int,
             ups += [{"id": f"n{rng.randrange(created - per_delta)}", "type": "memory", "data_json": '{"upd":1}',
                      "ttl_seconds": None} for _ in range(per_delta // 10)]  # fmt: skip
         deletes = [f"n{rng.randrange(created)}" for _ in range(per_delta // 50)]
-        events.append((DELTA, {"envelope": envelope(SESSION, seq, t + 1, lid), "node_upserts": ups,
+        events.append((STATE_DELTA, {"envelope": envelope(SESSION, seq, t + 1, lid), "node_upserts": ups,
                                "node_deletes": deletes, "edge_upserts": [], "edge_deletes": [],
                                "rollback_to": None}))  # fmt: skip
         seq += 1
@@ -93,10 +94,10 @@ def step_events(session: str, k: int, seq: int, t: int, upserts: int) -> list[tu
     return [
         (DISPATCH, {"envelope": envelope(session, seq, t, lid), "step": k, "tool": TOOLS[k % 4],
                     "params_json": '{"q": 1}', "deadline": None}),
-        (RESULT, {"envelope": envelope(session, seq + 1, t + 1000, lid), "tool": TOOLS[k % 4], "status": "OK",
+        (TOOL_RESULT, {"envelope": envelope(session, seq + 1, t + 1000, lid), "tool": TOOLS[k % 4], "status": "OK",
                   "output": "ok", "error": None, "latency_ms": 1.0, "cost_usd": 0.0, "tokens_in": 0, "tokens_out": 0,
                   "retries": 0}),
-        (DELTA, {"envelope": envelope(session, seq + 2, t + 2000, lid), "node_upserts": ups, "node_deletes": [],
+        (STATE_DELTA, {"envelope": envelope(session, seq + 2, t + 2000, lid), "node_upserts": ups, "node_deletes": [],
                  "edge_upserts": [], "edge_deletes": [], "rollback_to": None}),
     ]  # fmt: skip
 
@@ -106,7 +107,9 @@ def step_events(session: str, k: int, seq: int, t: int, upserts: int) -> list[tu
 
 def bench_fold(n_deltas: int) -> tuple[float, float]:
     rng = random.Random(1)
-    events = [e for e in history_workload(n_deltas * 5, 5, 1_760_000_000_000_000, 3_600_000_000, rng) if e[0] == DELTA]
+    events = [
+        e for e in history_workload(n_deltas * 5, 5, 1_760_000_000_000_000, 3_600_000_000, rng) if e[0] == STATE_DELTA
+    ]
     fold = StateFold(FoldConfig(auto_nodes=False))
     state, store = SessionState(SESSION), MemoryStore()
     started = time.perf_counter()
@@ -201,7 +204,7 @@ def _wait_for_quiet_merge(ch: Any, timeout: float) -> float:
 def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, float, int]]:
     from sinks.clickhouse import ClickHouseStore
     from sinks.migrations import apply_migrations
-    from streams.settings import Settings
+    from topics.settings import Settings
 
     now = int(time.time() * 1_000_000)
     events = history_workload(total_nodes, 100, now - 10 * 60_000_000, 10 * 60_000_000, random.Random(2))
@@ -303,13 +306,13 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
 
 @contextmanager
 def _sql_endpoint(store: Any, settings: Any) -> Iterator[None]:
-    """The sink's SQL endpoint (streams/sink_service.py) in a process of its own, as a running worker serves it.
+    """The sink's SQL endpoint (sinks/service.py) in a process of its own, as a running worker serves it.
 
     chDB allows one process per path: `store` is closed while the endpoint process owns the data.
     """
     import multiprocessing
 
-    from streams.run_info import SqlEndpoint
+    from streams.runtime.run_info import SqlEndpoint
 
     store.close()
     process = multiprocessing.get_context("spawn").Process(target=_serve_sql, args=(settings,), daemon=True)
@@ -331,8 +334,8 @@ def _serve_sql(settings: Any) -> None:
     from aiohttp import web
 
     from sinks.clickhouse import ClickHouseStore
-    from streams.run_info import SqlEndpoint
-    from streams.sink_service import sql_app
+    from sinks.service import sql_app
+    from streams.runtime.run_info import SqlEndpoint
 
     async def serve() -> None:
         store = ClickHouseStore.open(settings)
@@ -405,14 +408,14 @@ async def _drive(settings: Any, steps: int, sessions: int, timeout: float) -> tu
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
     from bench.worker_bench import BenchWorker
-    from streams.producer import producer_config
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
+    from streams.sdk.producer import producer_config
     from topics.catalog import TopicCatalog
     from topics.codec import AvroCodec
 
     await prepare_cluster(settings)
     catalog, codec = TopicCatalog(settings), AvroCodec()
-    kinds = {DISPATCH: "actions", RESULT: "tool_results", DELTA: "state_deltas"}
+    kinds = {DISPATCH: "actions", TOOL_RESULT: "tool_results", STATE_DELTA: "state_deltas"}
     encoded, t0 = [], 1_760_000_000_000_000
     for k in range(steps // sessions):
         for s in range(sessions):

@@ -16,7 +16,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from streams.cli import main
+from treadle.cli import main
 
 
 def _report(out: Path, every_s: float, warmup_s: float) -> None:

@@ -14,7 +14,7 @@ from rich.table import Table
 from bench.common import Measurement
 from bench.paced import COMPLETE_SQL, Observed, PacedRun
 from bench.workload import WeavingExpectation
-from streams.settings import Settings
+from topics.settings import Settings
 
 FINAL_SQL = (
     "SELECT logical_event_id, max(revision), argMax(reward_status, revision) FROM transitions GROUP BY logical_event_id"
@@ -62,7 +62,7 @@ class Check:
 
 def check_in_clickhouse(settings: Settings, expectation: WeavingExpectation, timeout: float) -> Check:
     """Poll the final rows until they match (windows close one watermark lag + idle timeout after the load)."""
-    from streams.sql_client import run_sql
+    from sinks.sql_client import run_sql
 
     started = time.perf_counter()
     late = expectation.late()

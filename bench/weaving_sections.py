@@ -37,13 +37,13 @@ from bench.workload import (
     weaving_plan,
     weaving_policy,
 )
-from streams.garbage_collection import freeze_startup_objects
-from streams.local.kafka import LocalKafka
-from streams.producer import producer_config
-from streams.run_info import SqlEndpoint
-from streams.settings import Settings
+from streams.runtime.garbage_collection import freeze_startup_objects
+from streams.runtime.run_info import SqlEndpoint
+from streams.sdk.producer import producer_config
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
+from topics.settings import Settings
+from treadle.devstack.kafka import LocalKafka
 
 SECTIONS = ("throughput", "latency", "soak")
 SECTION = "weaving: throughput (backlog)"
@@ -353,7 +353,7 @@ async def _soak(settings: Settings, pid: int, sink_pid: int | None, args: argpar
 
 
 def _start_worker(ctx: Context, settings: Settings, env: dict[str, str], argv: list[str] | None = None) -> BenchWorker:
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
     worker = BenchWorker(settings, ctx.pin, argv=argv, env=env).start()

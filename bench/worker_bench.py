@@ -24,12 +24,12 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
 from bench.weaving_report import collector_seconds, scrape
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
-from streams.producer import producer_config
-from streams.run_info import SqlEndpoint
-from streams.settings import Settings
-from streams.worker_process import WorkerProcess
+from streams.runtime.run_info import SqlEndpoint
+from streams.sdk.producer import producer_config
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
+from topics.settings import Settings
+from treadle.devstack.worker_process import WorkerProcess
 
 LATE_REWARD = "treadle.derived.LateReward"
 
@@ -236,7 +236,7 @@ def backlog_catch_up(
     profile: Path | None = None,
 ) -> CatchUp:
     """Put `events` in Kafka, then start the worker and time it from "ready" until the read-back is complete."""
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
     asyncio.run(_preload(settings, events))
@@ -315,7 +315,7 @@ def _worker_measurement(
 
 def _wait_visible(settings: Settings, want: tuple[int, int, int], started: float, timeout: float):
     """Seconds since `started` until the ClickHouse views hold every row, or None; and the last answer."""
-    from streams.sql_client import run_sql
+    from sinks.sql_client import run_sql
 
     deadline = time.perf_counter() + timeout
     last = None
@@ -379,7 +379,7 @@ def worker_section(
     worker_argv: list[str] | None = None,
 ) -> tuple[list[Measurement], list[str]]:
     """The worker run, its ClickHouse visibility and the raw consume baseline; plus lines for the log."""
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
     codec = AvroCodec()
@@ -429,7 +429,7 @@ def worker_section(
         )
     measured = _worker_measurement(
         "treadle worker",
-        (f"`{' '.join(worker_argv)}`" if worker_argv else "`python -m streams.cli worker`")
+        (f"`{' '.join(worker_argv)}`" if worker_argv else "`python -m treadle.cli worker`")
         + WORKER_COMMAND.format(pin=f" under taskset -c {WORKER_CORE}" if pin else " (not pinned)"),
         watch,
         len(steps),

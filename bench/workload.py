@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from processors.step_assembler import StepAssembler, StepState
+from processors.steps.assembler import StepAssembler, StepState
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 
@@ -286,7 +286,7 @@ class StepExpectation:
 
     @property
     def final_revision(self) -> int:
-        """Dispatch + results + rewards in time + every required window passed (processors/step_assembler.py)."""
+        """Dispatch + results + rewards in time + every required window passed (processors/steps/assembler.py)."""
         return 1 + len(self.results) + len(self.on_time) + len(WINDOWS)
 
     @property
@@ -335,7 +335,7 @@ class WeavingExpectation:
 
 def partition_keys(partitions: int, prefix: str = "sentinel") -> list[str]:
     """A session id per partition, found with Kafka's default partitioner (murmur2, as the SDK sends)."""
-    from streams.batching import default_partition
+    from streams.sdk.batching import default_partition
 
     keys: dict[int, str] = {}
     n = 0

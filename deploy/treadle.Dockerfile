@@ -1,5 +1,5 @@
-# The treadle image behind compose.yaml's init, worker and sink services: this checkout, installed editable so
-# the avro/ schema files stay next to the packages (streams.settings.REPO_ROOT).
+# The treadle image behind compose.yaml's init, worker and sink services: this checkout built into a wheel and
+# installed with the worker, sink and cli extras (schemas, migrations and the Kafka pom travel as package data).
 
 # treadle_native (native/: the Avro record codec) is built into a wheel in a Rust image; the runtime image only
 # installs that wheel. Without it treadle would run on its generated Python codec (see README "Native codec").
@@ -14,12 +14,12 @@ FROM python:3.11-slim-bookworm
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY avro ./avro
-COPY kafka ./kafka
+COPY treadle ./treadle
 COPY streams ./streams
 COPY topics ./topics
 COPY processors ./processors
 COPY sinks ./sinks
 COPY --from=native /wheels /wheels
-RUN pip install --no-cache-dir -e . /wheels/*.whl
+RUN pip install --no-cache-dir ".[worker,sink,cli]" /wheels/*.whl
 ENV TREADLE_HOME=/var/lib/treadle
 CMD ["treadle", "worker"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-EVALUATION_METRIC = "treadle.derived.EvaluationMetric"
-
 
 def metric_id(evaluator: str, metric: str, rule: str, source_event_id: str) -> str:
     """Deterministic, readable, unique per (evaluator, metric, rule, judged event)."""

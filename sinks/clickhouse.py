@@ -25,7 +25,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.query import QueryResult
 
 from sinks.sql_guard import check_read_only, read_only_settings
-from streams.settings import Settings
+from topics.settings import Settings
 
 DEFAULT_DATABASE = "treadle"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -101,7 +101,7 @@ def _explain_chdb_failure(path: Path, exc: Exception) -> str:
 
 def _explain_locked_path(path: Path) -> str | None:
     try:
-        from streams.local.chdb_lock import explain_locked_path
+        from sinks.chdb_lock import explain_locked_path
     except ImportError:
         return None
     try:

@@ -12,13 +12,13 @@ import time
 
 from aiokafka import AIOKafkaConsumer
 
-from processors.intake import Accepted, Intake, Rejected, SourceMessage
 from sinks.clickhouse import ClickHouseStore
 from sinks.writer import ClickHouseSink
-from streams.metrics import SinkMetrics
-from streams.settings import Settings
+from streams.runtime.metrics import SinkMetrics
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DecodeError
+from topics.intake import Accepted, Intake, Rejected, SourceMessage
+from topics.settings import Settings
 
 log = logging.getLogger(__name__)
 

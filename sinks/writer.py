@@ -22,7 +22,7 @@ from typing import Any
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.rows import AVRO_TABLES, TABLE_COLUMNS, rows_for
-from streams.metrics import SinkMetrics
+from streams.runtime.metrics import SinkMetrics
 from topics.codec import HEADER, MAGIC, AvroCodec, DecodeError
 
 log = logging.getLogger(__name__)

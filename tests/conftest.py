@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from streams.settings import REPO_ROOT, Settings
-from streams.worker_process import WorkerProcess
+from tests.paths import REPO_ROOT
+from topics.settings import Settings
+from treadle.devstack.worker_process import WorkerProcess
 
 _COUNTER = itertools.count()
 # Two pytest sessions on one machine (a helper's and CI's, say) need different ports: set this to e.g. 21000.
@@ -25,7 +26,7 @@ PORT_BASE = int(os.environ.get("TREADLE_TEST_PORT_BASE", "31000"))
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """A running local stack (Kafka + Valkey); yields the base settings pointing at it."""
-    from streams.local.stack import LocalStack
+    from treadle.devstack.stack import LocalStack
 
     home = tmp_path_factory.mktemp("stack-home")
     base = Settings(
@@ -49,7 +50,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 @pytest.fixture
 def deployment(stack: Settings, tmp_path: Path) -> Settings:
     """Settings for one isolated deployment: its own topic prefix, app id, home and web port."""
-    from streams.worker import prepare_cluster
+    from streams.runtime.worker import prepare_cluster
 
     n = next(_COUNTER)
     name = f"t{os.getpid()}x{n}"

@@ -13,10 +13,11 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
-from streams.settings import REPO_ROOT, Settings
+from tests.paths import REPO_ROOT
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
+from topics.settings import Settings
 
 BASE_TIME = 1_760_000_000_000_000  # micros
 
@@ -131,7 +132,7 @@ def wait_for(
 def treadle(settings: Settings, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """`treadle ARGS` in a subprocess against `settings`, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "streams.cli", *args],
+        [sys.executable, "-m", "treadle.cli", *args],
         cwd=REPO_ROOT,
         env={**os.environ, **settings.to_env(), "COLUMNS": "200"},
         capture_output=True,
@@ -143,7 +144,7 @@ def treadle(settings: Settings, *args: str, timeout: float = 180) -> subprocess.
 def step_components(settings: Settings, session: str, source: str) -> dict[str, dict[str, Any]]:
     """Per step of `session`: transition revision, reward, and `source`'s components {event_id: (value, confidence,
     evidence)}, from transitions_latest."""
-    from streams.sql_client import run_sql
+    from sinks.sql_client import run_sql
 
     _, rows = run_sql(
         settings,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from processors.evaluation import EVALUATION_METRIC, metric_record
+from processors.evaluation import metric_record
+from topics.names import EVALUATION_METRIC
 
 TOOL_RESULT = "treadle.events.ToolResult"
 

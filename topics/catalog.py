@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from streams.settings import Settings
+from topics.settings import Settings
 
 
 class TopicRole(StrEnum):

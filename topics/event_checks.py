@@ -1,6 +1,6 @@
 """Value checks of the event contract that Avro types cannot express, shared by the SDK and the worker.
 
-The worker dead-letters an input that fails one (processors/validation.py); the SDK raises ValueError before it
+The worker dead-letters an input that fails one (topics/validation.py); the SDK raises ValueError before it
 sends one, so both say the same thing in the same words. Each returns the problem, or None.
 """
 

@@ -5,7 +5,7 @@ beginning like the schema registry's, so they need no extra service. A new versi
 must accept every node the previous version accepted (BACKWARD, as for Avro): nodes already in the log must
 stay valid. A breaking change is refused with the reasons and a unified diff of the two schemas.
 
-Usage: `treadle node-types register <type> <schema.json>` / `treadle node-types list` (streams/cli.py), or
+Usage: `treadle node-types register <type> <schema.json>` / `treadle node-types list` (treadle/cli.py), or
 `NodeTypeRegistry.register`.
 """
 
@@ -206,8 +206,8 @@ class NodeTypeRegistry:
 
 def _main(argv: list[str]) -> int:
     """`python -m topics.node_types register <type> <schema.json>` | `list`."""
-    from streams.settings import Settings
     from topics.catalog import TopicCatalog
+    from topics.settings import Settings
 
     settings = Settings.from_env()
     registry = NodeTypeRegistry(settings.kafka_bootstrap_servers, TopicCatalog(settings)["node_types"].name)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from fastavro import parse_schema
 from fastavro.schema import fingerprint, load_schema, to_parsing_canonical_form
 
-from streams.settings import REPO_ROOT
-
-AVRO_DIR = REPO_ROOT / "avro"
+# The .avsc files travel as package data (topics/avro links the repository's avro/ folder into the package).
+AVRO_DIR = Path(str(resources.files("topics") / "avro"))
 
 
 def strip_logical_types(schema: Any) -> Any:

@@ -1,0 +1,276 @@
+"""The Faust app: one intake over all input topics, in fetched batches, feeding every registered processor.
+
+Faust has no joins and no event time, so the join is ours: every input event of a session lands
+in the partition its session_id hashes to, and each processor keeps its state in RocksDB tables
+whose changelogs are co-partitioned with the inputs (see processors/steps/processor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+from faust.streams import _current_event
+
+from streams.runtime import table_writes
+from streams.runtime.faust_transport import ResumingApp
+from streams.runtime.metrics import WorkerMetrics
+from streams.runtime.plugins import ProcessorRegistry
+from streams.runtime.processor import EventProcessor, InputEvent
+from streams.sdk.batching import key_hash
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec, DeadLetterStage
+from topics.intake import Accepted, Intake, Rejected, SourceMessage
+from topics.names import DEAD_LETTER
+from topics.settings import Settings
+from topics.tool_schemas import ToolSchemas
+from topics.validation import InputValidator
+
+log = logging.getLogger(__name__)
+
+OUTPUT_TOPICS = {
+    "treadle.derived.Transition": "transitions",
+    "treadle.derived.WovenReward": "woven_rewards",
+    DEAD_LETTER: "dead_letters",
+    "treadle.derived.StateVersion": "state_versions",
+    "treadle.derived.ResourceSample": "resource_samples",
+    "treadle.derived.LateReward": "late_rewards",
+    # Reward sources and credit assignment are processors whose output is input: a RewardSignal they
+    # publish goes to the rewards topic and is woven into its step like any other reward.
+    "treadle.events.RewardSignal": "rewards",
+    "treadle.derived.EvaluationMetric": "evaluation_metrics",
+}
+
+
+KEY_HASH_CACHE = 100_000  # session keys whose murmur2 is remembered
+PRODUCER_BATCH_BYTES = 512 * 1024  # per output partition; one intake batch's outputs fit without waiting
+POLL_RECORDS = 200  # records one getmany hands out (an intake batch reads several)
+
+
+def faust_broker_url(bootstrap_servers: str) -> str:
+    return ";".join(f"kafka://{host.strip()}" for host in bootstrap_servers.split(",") if host.strip())
+
+
+class _PartitionMarker:
+    """Stands in for "the current event" where Faust's RocksDB store only needs `.message.partition`."""
+
+    def __init__(self, partition: int) -> None:
+        self.message = self
+        self.partition = partition
+
+
+@dataclass
+class Pipeline:
+    """The app and what its agent needs; built once per worker process. Also the processors' context."""
+
+    app: faust.App
+    settings: Settings
+    catalog: TopicCatalog
+    codec: AvroCodec
+    intake: Intake
+    processors: list[EventProcessor]
+    outputs: dict[str, str]
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    # Next offset to process per input partition (the consumer-lag metric reads it).
+    next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    _crash: asyncio.Future[Any] | None = None
+    _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
+    _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)
+    _topic_tokens: dict[str, int] = field(default_factory=dict)  # output topic -> the token its deliveries carry
+    _token_topics: list[str] = field(default_factory=list)  # token -> output topic
+    _partition_counts: dict[str, int] = field(default_factory=dict)
+    _key_hashes: dict[bytes, int] = field(default_factory=dict)  # session key -> murmur2 (sessions repeat)
+
+    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
+        topic = self.outputs[schema_name]
+        await self.send(topic, key, self.codec.encode(schema_name, record))
+        counter = self._out_counters.get(schema_name)
+        if counter is None:
+            counter = self._out_counters[schema_name] = self.metrics.events_out.labels(topic, schema_name)
+        counter.inc()
+
+    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
+        # Appended to per-partition batches of Faust's producer (processors/faust_transport.BatchingProducer).
+        # Faust flushes the producer before it commits input offsets, so an output is on the broker before
+        # its inputs count as done; a record that still fails (after the producer's retries) crashes the
+        # worker rather than losing it.
+        if partition is None:
+            partition = self._partition_for(topic, key)
+        token = self._topic_tokens.get(topic)
+        if token is None:
+            token = self._topic_tokens[topic] = len(self._token_topics)
+            self._token_topics.append(topic)
+        await self.app.producer.append(topic, partition, key, value, self._on_delivered, token)
+
+    def _partition_for(self, topic: str, key: bytes | None) -> int:
+        """Kafka's default partition for the key (murmur2, as Faust, aiokafka and Java clients compute it)."""
+        partitions = self._partition_counts.get(topic)
+        if partitions is None:
+            spec = self.catalog.by_name(topic)
+            if spec is None:
+                raise ValueError(f"{topic} is not a topic of the catalog: send to it with an explicit partition")
+            partitions = self._partition_counts[topic] = spec.partitions
+        if key is None:
+            return random.randrange(partitions)
+        hashed = self._key_hashes.get(key)
+        if hashed is None:
+            if len(self._key_hashes) >= KEY_HASH_CACHE:
+                self._key_hashes.clear()
+            hashed = self._key_hashes[key] = key_hash(key)
+        return hashed % partitions
+
+    def _on_delivered(self, token: int, error: BaseException | None) -> None:
+        if error is None or self._crash is not None:
+            return
+        self.metrics.producer_errors.labels(self._token_topics[token]).inc()
+        log.critical("an output could not be produced, stopping so its input is redelivered: %r", error)
+        self._crash = asyncio.ensure_future(self.app.crash(error))
+
+    def bind_partition(self, partition: int) -> None:
+        marker = self._partition_markers.setdefault(partition, _PartitionMarker(partition))
+        _current_event.set(weakref.ref(marker))
+
+    def input_backlog(self, partition: int) -> int | None:
+        return self.app.input_backlog(partition)  # type: ignore[attr-defined,no-any-return]  # a ResumingApp
+
+    def bind(self, event: InputEvent) -> None:
+        self.bind_partition(event.source.partition)
+
+    async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
+        log.error("processor %s failed on %s[%d]@%d: %r", processor, *_where(event.source), exc, exc_info=exc)
+        failure = event.source.dead_letter(
+            DeadLetterStage.PROCESS, f"processor {processor} failed: {exc!r}", event.schema_name, event.record
+        )
+        await self.publish(DEAD_LETTER, failure, key=event.source.key)
+        self.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, event.schema_name).inc()
+
+
+def _where(source: SourceMessage) -> tuple[str, int, int]:
+    return source.topic, source.partition, source.offset
+
+
+def default_processors(names: tuple[str, ...] = ("steps",)) -> list[EventProcessor]:
+    """The processors named in TREADLE_PROCESSORS, in that order, found through the `treadle.processors`
+    entry points (streams/runtime/plugins.py); an unknown or broken one raises PluginError naming it."""
+    return ProcessorRegistry.discover().create(names)
+
+
+def build_pipeline(
+    settings: Settings, codec: AvroCodec | None = None, processors: list[EventProcessor] | None = None
+) -> Pipeline:
+    catalog = TopicCatalog(settings)
+    codec = codec or AvroCodec()
+    tool_schemas = ToolSchemas.load(settings.tool_schemas)
+    app = ResumingApp(
+        settings.app_id,
+        broker=faust_broker_url(settings.kafka_bootstrap_servers),
+        store="rocksdb://",
+        datadir=str(settings.worker_dir),
+        web_host=settings.bind_host,
+        web_bind=settings.bind_host,
+        web_port=settings.web_port,
+        topic_partitions=settings.partitions,
+        topic_replication_factor=settings.replication_factor,
+        topic_allow_declare=True,
+        processing_guarantee="at_least_once",
+        key_serializer="raw",
+        value_serializer="raw",
+        table_cleanup_interval=60.0,
+        producer_acks=-1,
+        consumer_auto_offset_reset="earliest",
+        # A crashed worker's partitions move after this long (Faust's default is 60 s).
+        broker_session_timeout=15.0,
+        broker_heartbeat_interval=3.0,
+        producer_linger=0.005,  # batch output records; acks are awaited once per input batch
+        # aiokafka's send() waits while its partition's batch is full until the sender drains it (one request
+        # per broker in flight), so 16 KiB batches made a worker wait on round trips mid-batch.
+        producer_max_batch_size=PRODUCER_BATCH_BYTES,
+        # The step changelog is most of what a worker writes to Kafka (~2 records of ~1.5 KB of Avro per step);
+        # zstd shrinks those batches ~5.7x, for the broker's disk and CPU and for recovery (TREADLE_OUTPUT_COMPRESSION).
+        producer_compression_type=None if settings.output_compression == "none" else settings.output_compression,
+        # Records one getmany hands out: a batch (TREADLE_PROCESS_BATCH_SIZE) is read in several, and each picks the
+        # input partitions to read again, so co-partitioned inputs stay in step (streams/runtime/input_alignment.py).
+        broker_max_poll_records=min(settings.process_batch_size, POLL_RECORDS),
+        broker_commit_every=settings.commit_every,
+    )
+    processors = processors if processors is not None else default_processors(settings.processors)
+    for processor in processors:
+        processor.setup(app, settings)
+    outputs = {schema: catalog[kind].name for schema, kind in OUTPUT_TOPICS.items()}
+    pipeline = Pipeline(
+        app=app,
+        settings=settings,
+        catalog=catalog,
+        codec=codec,
+        intake=Intake(codec, catalog, InputValidator(tool_schemas)),
+        processors=processors,
+        outputs=outputs,
+    )
+    pipeline.metrics.rocksdb_memory.watch(lambda: table_writes.memory_report(app))
+    for processor in processors:
+        attach = getattr(processor, "attach", None)  # optional: processors with timers need the context
+        if attach is not None:
+            attach(pipeline)
+    inputs = app.topic(*[spec.name for spec in catalog.inputs], key_serializer="raw", value_serializer="raw")
+
+    async def intake(messages: list[Any]) -> None:
+        try:
+            await handle_batch(pipeline, messages)
+        except Exception as exc:  # unacked, so redelivered after the restart
+            log.critical("the intake failed on a batch of %d input records, stopping: %r", len(messages), exc)
+            await app.crash(exc)
+            raise
+
+    app.deliver_in_batches(
+        inputs, intake, settings.process_batch_size, settings.process_batch_seconds, settings.input_max_skew_s
+    )
+    return pipeline
+
+
+async def handle_batch(pipeline: Pipeline, messages: list[Any]) -> None:
+    """Decode and validate each record once, dead-letter the bad ones, hand the rest to the processors."""
+    valid: list[InputEvent] = []
+    metrics = pipeline.metrics
+    read_in: Counter[tuple[str, str]] = Counter()
+    for message in messages:
+        source = SourceMessage.of(message, timestamp_ms=int(message.timestamp * 1000))
+        where = (source.topic, source.partition)
+        expected = pipeline.next_offsets.get(where)
+        if expected is not None and source.offset > expected:
+            # Input topics have no transactions or compaction, so offsets are contiguous: a jump means the
+            # consumer skipped records (or the partition came back after another worker processed them).
+            log.warning("input offsets %s[%d]@%d..%d were not processed here", source.topic, source.partition,
+                        expected, source.offset - 1)  # fmt: skip
+        pipeline.next_offsets[where] = source.offset + 1
+        read = pipeline.intake.read(source)
+        if isinstance(read, Rejected) and read.unknown_writer:
+            read = await pipeline.intake.read_after_reload(source)
+        if isinstance(read, Accepted):
+            read_in[(source.topic, read.schema_name)] += 1
+            valid.append(InputEvent(read.schema_name, read.record, source))
+            continue
+        letter = read.dead_letter
+        schema = letter.get("schema_name") or "unknown"
+        read_in[(source.topic, schema)] += 1
+        metrics.dead_letters.labels(letter["stage"], schema).inc()
+        log.warning("dead letter from %s[%d]@%d: %s", *_where(source), letter["reason"])
+        await pipeline.publish(DEAD_LETTER, letter, key=source.key)
+    for (topic, schema), n in read_in.items():
+        metrics.events_in.labels(topic, schema).inc(n)
+    for processor in pipeline.processors:
+        mine = [e for e in valid if e.schema_name in processor.inputs]
+        if not mine:
+            continue
+        try:
+            await processor.process(mine, pipeline)
+        except Exception as exc:
+            # A processor bug must not stall every partition: dead-letter what it could not fold (with
+            # the raw bytes, replayable) and keep going.
+            for event in mine:
+                await pipeline.failed(processor.name, event, exc)

@@ -1,0 +1,420 @@
+"""Faust's Kafka transport, mended where it lost input, and with batch delivery and batched outputs.
+
+After recovering its tables, Faust positions every input partition with aiokafka's
+`seek_to_committed()`, which seeks only where the committed offset is a positive number
+(aiokafka/consumer/consumer.py: `if offset and offset > 0`). Meanwhile, during recovery, Faust's
+`Consumer.getmany()` drops records fetched for partitions that are not active yet
+(faust/transport/consumer.py; faust-streaming/faust#596 describes the same window). A partition
+without a commit (a worker killed before its first commit, every 2.8 s) therefore kept the position
+the fetcher had reached, and the records before it were never processed: a restart right after a
+crash sat idle with a full input topic. Seen in this project's kill -9 test about one run in ten.
+
+The fix is where the positioning happens: after aiokafka's seek, partitions it left alone seek to
+their earliest offset, before any record of the new assignment is processed.
+
+The same drop also happens after that seek: `getmany()` hands out a fetched record only if its partition
+is in the consumer's set of active partitions *while it iterates*, and recovery changes that set in
+between (seen in the state graph's kill -9 test, about one restart in fifteen: "input offsets ... were not
+processed here", and Faust then commits past them). So records fetched and not handed out while the flow
+stays active are fetched again: their partition seeks back to the first of them.
+
+And one more: `_drain_messages()` races each record's delivery against a flow stop (`wait_first(callback(message),
+suspend_flow.wait())`), cancels the loser, and marks the offset read either way. A record whose delivery lost
+that race (a rebalance, e.g. when the group evicts the member a kill -9 left behind) was neither processed nor
+fetched again: seen as "input offsets ...@140..140 were not processed here". Records of batch topics (the
+worker's input, below) no longer take that path; for the others (e.g. standby changelogs) deliveries are shielded
+from that cancellation, and each waits for the one before it, so they finish, in order.
+
+Batches. Faust hands records to agents one at a time: a task pair per record to race the flow stop, a
+conductor that builds an Event and queues it, a Stream that pops it and acks it. Measured at about 150 µs
+per record, that alone capped a worker below 3,000 input events/s on one core. Topics registered with
+`ResumingApp.deliver_in_batches` skip all of it: each fetched batch goes to one handler call, its records
+tracked as in flight (so a rebalance waits for them, like for a stream's) and acked once the handler is done.
+A batch is never cancelled half way: it finishes, then the rebalance goes on.
+
+Commits. Faust's fetch loop commits every `broker_commit_every` acked records and waits for it: a producer flush and
+an offset commit, two round trips. Here the loop starts that commit and goes on reading, as it does while Faust's
+commit timer commits. So a commit takes its offsets before the app's before-commit hooks (the write-out of held-back
+table values) run, not after: what is acked while a hook awaits waits for the next commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import faust
+from aiokafka import TopicPartition
+from faust.exceptions import ProducerSendError
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types.tuples import ack_lock
+from mode.utils.futures import notify
+
+from streams.runtime.input_alignment import MAX_SKEW_S, InputAlignment, records_behind, records_left
+from streams.sdk.batching import DeliveryCallback, PartitionBatcher
+
+log = logging.getLogger(__name__)
+
+FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also the idle fetch period)
+# A fetch returns once this much is there (or after FETCH_MAX_WAIT_MS). With 1 byte (aiokafka's default) a worker
+# under a steady trickle fetched a few records per request, and the broker paid for every request on the core it
+# shares with the sink (weaving bench, paced 5,000 events/s). Sparse input waits at most FETCH_MAX_WAIT_MS longer.
+FETCH_MIN_BYTES = 16_384
+STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
+BatchHandler = Callable[[list[Any]], Awaitable[None]]  # takes Faust ConsumerMessages, in fetch order
+
+
+class ResumingConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        # Faust hard-codes fetch_max_wait_ms=1500. aiokafka sends one fetch per broker at a time, so a fetch
+        # the broker holds for partitions with nothing new also holds back the partitions just drained:
+        # measured as 0.5-1.5 s stalls with a full backlog. Set before start(), which builds the fetcher.
+        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
+        consumer._fetch_min_bytes = FETCH_MIN_BYTES
+        return consumer
+
+    async def seek_to_committed(self) -> Mapping[Any, int]:
+        committed = await super().seek_to_committed()
+        skipped = [tp for tp, offset in committed.items() if offset is None or offset <= 0]
+        if skipped:
+            await self.call_thread(self._ensure_consumer().seek_to_beginning, *skipped)
+        return committed
+
+
+class ResumingConsumer(faust_aiokafka.Consumer):
+    _fetched: dict[Any, tuple[int, int]]  # the batch getmany is handing out: tp -> (first, last offset)
+    _alignment: InputAlignment | None = None  # of the batch topics, once the app has them
+    _aligned_generation: int | None = None
+    _background_commit: asyncio.Future[Any] | None = None  # the commit the fetch loop started, if any
+    _commit_crash: asyncio.Future[Any] | None = None  # the crash a failed background commit started
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        deliver = self.callback
+        last: asyncio.Future[Any] | None = None
+
+        async def deliver_fully(message: Any) -> Any:
+            nonlocal last
+            if last is not None and not last.done():
+                await asyncio.shield(last)  # the record before this one finishes first
+            last = asyncio.ensure_future(deliver(message))
+            return await asyncio.shield(last)
+
+        self.callback = deliver_fully
+
+    async def wait_empty(self) -> None:
+        """Faust's wait (a rebalance, a stop) until every input message handed out is acked; past STALL_REPORT_S
+        it logs, once, the stack of every asyncio task, so a batch that never acks shows what it awaits. Faust's own
+        report covers agents only, and this app folds its input outside agents."""
+        report = asyncio.ensure_future(self._report_stall(STALL_REPORT_S))
+        try:
+            await super().wait_empty()
+        finally:
+            report.cancel()
+
+    async def _report_stall(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        log.warning("waited %.0f s for %d handed-out input batches or messages to be acked (a rebalance or stop "
+                    "cannot go on until they are); what every task awaits:\n%s",
+                    after_s, len(self._unacked_messages), task_stacks())  # fmt: skip
+
+    async def _drain_messages(self, fetcher: Any) -> None:
+        """Faust's fetch loop, with records of batch topics handed over a batch at a time.
+
+        A batch is what the fetches brought, read a getmany at a time (each picks the input partitions again,
+        streams/runtime/input_alignment.py), topped up for up to the app's `batch_linger_s` while input trickles in
+        (fewer, larger batches: fewer intermediate revisions to emit), never past `batch_max_records`, and never
+        once the flow stops: a rebalance waits for the batch's acks.
+        """
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        try:
+            while not (self.should_stop or fetcher.should_stop):
+                batch: list[Any] = []
+                await self._read_into(batch, 1.0)
+                deadline = time.monotonic() + app.batch_linger_s
+                while batch and len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
+                    had = len(batch)
+                    await self._read_into(batch, max(0.0, deadline - time.monotonic()))
+                    if len(batch) == had and time.monotonic() >= deadline:
+                        break  # nothing more fetched, and the linger is over
+                if batch:
+                    await self._deliver(app.batch_handler, batch)
+                if self._commit_every is not None and self._n_acked >= self._commit_every:
+                    self._commit_in_background()
+                await asyncio.sleep(0)
+        except self.consumer_stopped_errors:
+            if not self.transport.app.should_stop:
+                raise
+            log.info("broker stopped the consumer while the worker stops")
+
+    async def _read_into(self, batch: list[Any], timeout: float) -> None:
+        """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
+        batch_topics = self.app.batch_topics  # type: ignore[attr-defined]
+        read_offset = self._read_offset
+        alignment = self._input_alignment()
+        async for tp, message in self.getmany(timeout=timeout):
+            offset = message.offset
+            last = read_offset[tp]
+            if last is not None and offset < last:
+                continue  # read already (Faust drops these too)
+            if last and offset - last > 1 and self.app.topics.acks_enabled_for(message.topic):
+                await self._add_gap(tp, last + 1, offset)  # compaction or transaction markers
+            if tp.topic in batch_topics:
+                if not batch:  # its first record stands for the batch: a rebalance waits until the batch is acked
+                    self._unacked_messages.add(message)
+                batch.append(message)
+                alignment.read(tp, message.timestamp)
+            else:
+                await self.wait_first(self.callback(message), self.suspend_flow.wait())
+            read_offset[tp] = offset
+
+    async def _deliver(self, handle: BatchHandler | None, batch: list[Any]) -> None:
+        if handle is None:
+            raise RuntimeError("records of a batch topic arrived before ResumingApp.deliver_in_batches was called")
+
+        async def fold_then_ack() -> None:
+            await handle(batch)
+            self._ack_all(batch)
+
+        # Shielded: cancelling the fetch loop (a stop) must not leave a batch half folded.
+        await asyncio.shield(fold_then_ack())
+
+    def _ack_all(self, batch: list[Any]) -> None:
+        """Faust's Consumer.ack for every record of a handled batch, with its lock taken, its topics looked up and
+        its ack waiter woken once per batch, not per record (~2% of a worker's CPU). Only the batch's first record is
+        among Faust's unacked messages (a weak set: adding and removing each record cost ~1% more)."""
+        committed_offsets, acked_indexes, acked = self._committed_offset, self._acked_index, self._acked
+        acks_enabled: dict[str, bool] = {}
+        with ack_lock:
+            for message in batch:
+                if message.acked:
+                    continue
+                message.acked = True
+                enabled = acks_enabled.get(message.topic)
+                if enabled is None:
+                    enabled = acks_enabled[message.topic] = self.app.topics.acks_enabled_for(message.topic)
+                if not enabled:
+                    continue
+                tp, offset = message.tp, message.offset
+                committed = committed_offsets[tp]
+                if committed is not None and offset < committed:
+                    continue  # committed already
+                acked_index = acked_indexes[tp]
+                if offset not in acked_index:
+                    acked_index.add(offset)
+                    acked[tp].append(offset)
+                    self._n_acked += 1
+            if batch:
+                self._unacked_messages.discard(batch[0])
+            notify(self._waiting_for_ack)
+
+    def _commit_in_background(self) -> None:
+        """Commit every `broker_commit_every` acked records without pausing the input: Faust awaits that commit in
+        its fetch loop, and its producer flush and offset commit are round trips (0.03-0.55 s each, ~15% of a
+        catch-up spent idle in the weaving bench). One commit at a time; the next is due after as many records."""
+        if self._commit_fut is not None or (self._background_commit and not self._background_commit.done()):
+            return  # one is under way: Faust's commit timer or the last one started here
+        self._n_acked = 0
+        self._background_commit = asyncio.ensure_future(self.commit())
+        self._background_commit.add_done_callback(self._on_background_commit)
+
+    def _on_background_commit(self, task: asyncio.Future[Any]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.critical("an offset commit failed, stopping so uncommitted input is redelivered: %r", exc)
+        self._commit_crash = asyncio.ensure_future(self.crash(exc))  # type: ignore[arg-type]
+
+    async def _commit_tps(self, tps: Any, start_new_transaction: bool) -> bool:
+        """Faust's commit (flush the producer, then commit acked offsets), with the app's before-commit hooks first:
+        held-back table writes reach the producer, so the flush covers them (streams/runtime/write_behind.py).
+
+        The offsets are taken before the hooks run, not after as Faust would: a batch acked while a hook awaits
+        (input goes on during a commit) may have changed values the hook has already written out, and its offsets
+        must wait for the next commit."""
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        offsets = self._filter_committable_offsets(tps)
+        await app._before_commit()
+        if not offsets:
+            return False
+        try:
+            await self._handle_attached(offsets)  # Faust's attached messages (none here; kept for parity)
+        except ProducerSendError as exc:
+            await self.crash(exc)
+            return False
+        return await self._commit_offsets(offsets, start_new_transaction=start_new_transaction)
+
+    @property
+    def aiokafka_consumer(self) -> Any:
+        """aiokafka's consumer, run in Faust's consumer thread (positions, highwaters); None before it starts."""
+        return getattr(getattr(self, "_thread", None), "_consumer", None)
+
+    def _input_alignment(self) -> InputAlignment:
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        if self._alignment is None or self._alignment.topics != app.batch_topics:
+            self._alignment = InputAlignment(app.batch_topics, app.input_max_skew_s)
+        return self._alignment
+
+    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:
+        """Faust's fetch of the active partitions, less input partitions that read ahead of their co-partitioned
+        inputs (InputAlignment)."""
+        alignment = self._input_alignment()
+        if self.app.consumer_generation_id != self._aligned_generation:
+            alignment.reset()  # a new assignment: positions start over
+            self._aligned_generation = self.app.consumer_generation_id
+        if active_partitions:
+            consumer = self.aiokafka_consumer
+            active_partitions = alignment.readable(
+                active_partitions, lambda tp: records_left(consumer, tp), time.monotonic()
+            )
+        return await super()._getmany(active_partitions, timeout)
+
+    def _new_consumer_thread(self) -> ResumingConsumerThread:
+        return ResumingConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def _wait_next_records(self, timeout: float) -> Any:
+        records, active = await super()._wait_next_records(timeout)
+        self._fetched = {tp: (rs[0].offset, rs[-1].offset) for tp, rs in (records or {}).items() if rs}
+        return records, active
+
+    async def getmany(self, timeout: float) -> AsyncIterator[Any]:
+        """Faust's getmany; then partitions with records it fetched but did not hand out seek back to them."""
+        generation = self.app.consumer_generation_id
+        self._fetched = {}
+        handed: dict[Any, int] = {}
+        async for tp, message in super().getmany(timeout):
+            handed[tp] = message.offset + 1
+            yield tp, message
+        if not self.flow_active or self.app.consumer_generation_id != generation:
+            return  # a rebalance: Faust seeks every partition to its committed offset itself
+        assigned = self.assignment()
+        for tp, (first, last) in self._fetched.items():
+            resume = handed.get(tp, first)
+            if resume <= last and tp in assigned:
+                log.info("fetching %s[%d]@%d..%d again: Faust fetched them but did not hand them out",
+                         tp.topic, tp.partition, resume, last)  # fmt: skip
+                await self.seek(tp, resume)
+
+
+def task_stacks() -> str:
+    """The stack of every task of the running event loop (where each one awaits), as text."""
+    out = io.StringIO()
+    for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+        out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
+        task.print_stack(file=out)
+    return out.getvalue()
+
+
+class ProducerFlushError(RuntimeError):
+    """An appended record was not acked: what it derived from must be processed again."""
+
+
+class BatchingProducer(faust_aiokafka.Producer):
+    """Faust's producer, plus `append`: records gathered into per-partition batches (streams/sdk/batching.py).
+
+    aiokafka's `send()` cost about 24 µs per record, and a worker sends two or three records per input event
+    (outputs and changelog writes): a third of its CPU. Appending to a batch costs a fraction of that, and
+    the batches go through the same producer (acks, retries, idempotence). `flush()` hands the open
+    batches over first, so Faust's flush before an offset commit still covers every record appended.
+    """
+
+    _batcher: PartitionBatcher | None = None
+
+    async def append(
+        self, topic: str, partition: int, key: bytes | None, value: bytes | None, owner: DeliveryCallback, token: int
+    ) -> None:
+        """Queue a record for `partition`; `owner(token, error)` hears its outcome (error None when acked)."""
+        batcher = self._batcher
+        if batcher is None:
+            batcher = self._batcher = PartitionBatcher(self._ensure_producer())
+        if batcher.append(topic, partition, key, value, owner, token) is None:  # no coroutine while there is room
+            await batcher.append_when_room(topic, partition, key, value, owner, token)
+
+    async def flush(self) -> None:
+        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets)."""
+        if self._batcher is not None:
+            await self._batcher.handed_over()
+        await super().flush()
+        if self._batcher is not None and self._batcher.failed is not None:
+            raise ProducerFlushError(f"a record could not be produced: {self._batcher.failed!r}")
+
+    async def on_stop(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.handed_over()
+        await super().on_stop()
+
+
+class ResumingTransport(faust_aiokafka.Transport):
+    Consumer = ResumingConsumer
+    Producer = BatchingProducer
+
+
+class ResumingApp(faust.App):
+    """faust.App whose consumers use ResumingTransport (the broker URLs must be kafka://)."""
+
+    batch_topics: frozenset[str] = frozenset()
+    batch_handler: BatchHandler | None = None
+    batch_max_records: int = 1000
+    batch_linger_s: float = 0.0
+    input_max_skew_s: float = MAX_SKEW_S  # how far (record time) an input partition may read ahead of the others
+    # Run, in order, before every offset commit, when a rebalance revokes partitions and when the consumer stops:
+    # held-back table writes (streams/runtime/write_behind.py) reach the tables while this worker still owns them.
+    before_commit: list[Callable[[], Awaitable[None]]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_commit = []
+
+    async def _on_partitions_revoked(self, revoked: Any) -> None:
+        if not self.should_stop:
+            await self._before_commit()
+        await super()._on_partitions_revoked(revoked)
+
+    async def _stop_consumer(self) -> None:
+        await self._before_commit()
+        await super()._stop_consumer()
+
+    async def _before_commit(self) -> None:
+        for hook in self.before_commit:
+            await hook()
+
+    def deliver_in_batches(
+        self,
+        topic: faust.TopicT,
+        handler: BatchHandler,
+        max_records: int = 1000,
+        linger_s: float = 0.0,
+        max_skew_s: float = MAX_SKEW_S,
+    ) -> None:
+        """Consume `topic` (one or more topic names) without an agent: `handler` gets the records in batches.
+
+        A batch is what the fetches brought, read a getmany (at most broker_max_poll_records) at a time, topped up
+        for up to `linger_s` while fewer than `max_records` (so it may pass `max_records` by one getmany). The
+        topics' partitions are read in step by record time, `max_skew_s` apart at most (InputAlignment).
+        """
+        self.batch_topics = frozenset(topic.topics)
+        self.batch_handler = handler
+        self.batch_max_records = max_records
+        self.batch_linger_s = linger_s
+        self.input_max_skew_s = max_skew_s
+        self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
+
+    def input_backlog(self, partition: int) -> int | None:
+        """Records of the batch topics' `partition` still in Kafka past those handed out, as of the last fetch: how
+        far behind this worker is there. None until a fetch has reported on each of them (right after start)."""
+        consumer = self.consumer.aiokafka_consumer  # type: ignore[attr-defined]  # a ResumingConsumer
+        total = 0
+        for topic in self.batch_topics:
+            behind = records_behind(consumer, TopicPartition(topic, partition))
+            if behind is None:
+                return None
+            total += behind
+        return total
+
+    def _new_transport(self) -> ResumingTransport:
+        return ResumingTransport(self.conf.broker_consumer, self)

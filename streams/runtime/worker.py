@@ -1,0 +1,156 @@
+"""`treadle worker`: the Faust app (intake, processors, tables, timers) and, by default, a `treadle sink` child.
+
+The sink child owns ClickHouse (embedded chDB allows one process per data path) and answers
+`treadle sql` on 127.0.0.1; see sinks/service.py. TREADLE_SINK=off runs the processors only,
+for deployments that run `treadle sink` on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import faust
+
+from streams.runtime.app import Pipeline, build_pipeline
+from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
+from streams.runtime.gpu import GpuTelemetry
+from streams.runtime.metrics_page import add_metrics_page
+from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from topics import native_codec
+from topics.admin import ensure_topics
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.names import RESOURCE_SAMPLE
+from topics.registry import SchemaRegistry
+from topics.schemas import SchemaSet
+from topics.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
+    """Topics exist with the right partitions, and the shipped schemas are registered."""
+    catalog = TopicCatalog(settings)
+    states = await ensure_topics(catalog, settings.kafka_bootstrap_servers)
+    fresh = any(state.created for state in states if state.spec.kind == "schemas")
+    registry = registry or SchemaRegistry(settings.kafka_bootstrap_servers, catalog["schemas"].name)
+    await registry.register_set(SchemaSet.load(), load=not fresh)
+
+
+def build_worker(settings: Settings) -> Pipeline:
+    """The pipeline, with the schema registry refreshed in the background, ready for faust.Worker."""
+    registry = SchemaRegistry(settings.kafka_bootstrap_servers, TopicCatalog(settings)["schemas"].name)
+    # Writer schemas we don't ship (newer producers, other languages) are found in the registry.
+    pipeline = build_pipeline(settings, codec=AvroCodec(lookup=registry.lookup))
+    pipeline.intake.reload_schemas = registry.load_if_due  # an unknown writer may have been registered since
+    asyncio.run(prepare_cluster(settings, registry))
+    for processor in pipeline.processors:
+        refresh = getattr(processor, "refresh_policies", None)  # policies pushed before this start
+        if refresh is not None:
+            asyncio.run(refresh())
+    add_metrics_page(pipeline)
+    if settings.gpu_sample_seconds > 0:
+        add_gpu_telemetry(pipeline, GpuTelemetry(pipeline.metrics.registry))
+
+    @pipeline.app.task
+    async def refresh_schemas() -> None:
+        while True:
+            await asyncio.sleep(10)
+            try:
+                await registry.load()
+            except Exception as exc:  # the registry is an optimisation for unknown writers, never fatal
+                log.warning("could not refresh the schema registry: %s", exc)
+
+    return pipeline
+
+
+def add_gpu_telemetry(pipeline: Pipeline, telemetry: GpuTelemetry) -> None:
+    @pipeline.app.task
+    async def sample_gpus() -> None:
+        if not telemetry.start():
+            return
+        key = telemetry.host.encode()
+        try:
+            while True:
+                for record in telemetry.sample():
+                    await pipeline.publish(RESOURCE_SAMPLE, record, key=key)
+                await asyncio.sleep(pipeline.settings.gpu_sample_seconds)
+        finally:
+            telemetry.stop()
+
+
+class SinkChild:
+    """`treadle sink` as a child of the worker (TREADLE_SINK=child): its own process, its own core."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        SqlEndpoint.path(self.settings).unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "treadle.cli", "sink", "--parent", str(os.getpid())],
+            env={**os.environ, **self.settings.to_env()},
+        )
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the sink process exited with code {self.proc.returncode}")
+            info = SqlEndpoint.read(self.settings)
+            if info is not None and info.pid == self.proc.pid:
+                return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"the sink process did not serve SQL within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_worker(settings: Settings, loglevel: str = "info") -> None:
+    """Run until SIGTERM/SIGINT; exits the process like any Faust worker."""
+    settings.worker_dir.mkdir(parents=True, exist_ok=True)
+    tune_collector(settings.gc_thresholds)
+    pipeline = build_worker(settings)
+    pipeline.metrics.gc_pauses.watch()
+    sink = SinkChild(settings) if settings.sink == "child" else None
+    worker = TreadleWorker(pipeline.app, settings, sink, loglevel=loglevel, quiet=True)
+    try:
+        if sink is not None:
+            sink.start()
+        worker.execute_from_commandline()
+    finally:
+        if sink is not None:
+            sink.stop()
+
+
+class TreadleWorker(faust.Worker):
+    """A Faust worker that announces itself (WorkerInfo) once recovery is done and the web server is up."""
+
+    def __init__(self, app: faust.App, settings: Settings, sink: SinkChild | None, **kwargs: object) -> None:
+        super().__init__(app, **kwargs)
+        self.treadle_settings = settings
+        self.sink = sink
+
+    async def on_startup_finished(self) -> None:
+        # The schema and policy readers assign a consumer every few seconds; aiokafka logs each assignment.
+        logging.getLogger("aiokafka.consumer.subscription_state").setLevel(logging.WARNING)
+        await super().on_startup_finished()
+        freeze_startup_objects()
+        if self.sink is not None:
+            await self.sink.wait_ready()
+        s = self.treadle_settings
+        log.info("Avro codec: %s", native_codec.describe())
+        WorkerInfo(pid=os.getpid(), web_port=s.web_port, embedded_clickhouse=s.embedded_clickhouse).write(s)

@@ -1,0 +1,42 @@
+"""The agent-facing SDK: emit dispatches, tool results, rewards, state deltas and lifecycle events.
+
+`AgentStream` is what an agent loop uses, `RewardEmitter` what a reward source that only knows a step's id uses;
+`AgentStreamSync` and `RewardEmitterSync` are their blocking twins. Users import them from `treadle`.
+"""
+
+from streams.sdk.rewards import RewardEmitter
+from streams.sdk.stream import AgentStream
+from streams.sdk.sync import AgentStreamSync, RewardEmitterSync
+from streams.sdk.types import (
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    Annotator,
+    Edge,
+    FailedEvent,
+    LifecycleKind,
+    Node,
+    ProducerError,
+    StepRef,
+    StreamError,
+    ToolCall,
+    ToolStatus,
+)
+from topics.tool_schemas import InvalidParamsError
+
+__all__ = [
+    "DEFAULT_DELIVERY_TIMEOUT_S",
+    "AgentStream",
+    "AgentStreamSync",
+    "Annotator",
+    "Edge",
+    "FailedEvent",
+    "InvalidParamsError",
+    "LifecycleKind",
+    "Node",
+    "ProducerError",
+    "RewardEmitter",
+    "RewardEmitterSync",
+    "StepRef",
+    "StreamError",
+    "ToolCall",
+    "ToolStatus",
+]

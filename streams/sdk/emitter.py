@@ -1,0 +1,355 @@
+"""What every SDK emitter shares: the producer, the codec, background-send tracking and `seq`.
+
+An agent loop must never wait for the data plane, so every call returns as soon as its event is handed to the Kafka
+producer (appended to its partition's record batch, which aiokafka sends with `send_batch`); the broker's
+acknowledgement is tracked in the background. Nothing is dropped silently either: a send that fails later is recorded,
+and the next call, `flush()` or `close()` raises `ProducerError` naming the failed events (their records are kept for
+a retry). aiokafka's idempotent producer retries forever while the broker is down, so `delivery_timeout_s` (default
+120 s, like Java's delivery.timeout.ms) bounds how long an event may stay unacknowledged before it is reported failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Coroutine, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
+
+from streams.sdk.batching import Batch, PartitionBatcher, key_hash
+from streams.sdk.producer import create_producer
+from streams.sdk.types import (
+    _ANNOTATORS,
+    _METADATA_TIMEOUT_S,
+    Annotator,
+    FailedEvent,
+    ProducerError,
+    StepRef,
+    StreamError,
+    _attrs,
+    _member,
+)
+from topics.catalog import TopicCatalog
+from topics.codec import AvroCodec
+from topics.event_checks import event_time_problem, reward_problem
+from topics.ids import uuid7
+from topics.names import INPUT_SCHEMAS, REWARD
+from topics.settings import Settings
+
+
+class _Emitter:
+    """What every emitter shares: the producer, the codec, background-send tracking and `seq`."""
+
+    def __init__(
+        self,
+        settings: Settings | None,
+        *,
+        agent_id: str,
+        policy_version: str,
+        producer: AIOKafkaProducer | None,
+        producer_options: Mapping[str, Any] | None,
+        codec: AvroCodec | None,
+        delivery_timeout_s: float,
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.delivery_timeout_s = delivery_timeout_s
+        self.agent_id = agent_id
+        self.policy_version = policy_version
+        catalog = TopicCatalog(self.settings)
+        self._topics = {schema: catalog.for_schema(schema).name for schema in INPUT_SCHEMAS}
+        self._codec = codec or AvroCodec()
+        self._producer = producer
+        self._owns_producer = producer is None
+        self._producer_options = dict(producer_options or {})
+        self._seq = 0
+        self._batcher: PartitionBatcher | None = None
+        self._tokens = 0  # numbers the events handed over, for the batches' delivery callbacks
+        self._pending: dict[int, tuple[str, dict[str, Any], Batch]] = {}  # token -> (schema, record, its batch)
+        # (monotonic send time, token) in send order; acknowledged entries are dropped lazily from the left
+        self._sent_order: deque[tuple[float, int]] = deque()
+        self._delivered_callback = self._on_delivered  # bound once: it is stored with every event
+        self._failures: list[FailedEvent] = []
+        self._abandoned = False  # some events were reported undelivered while the producer still holds them
+        self._partition_counts: dict[str, int] = {}
+        self._hashed: tuple[str, bytes, int] = ("", b"", 0)  # (session_id, key, murmur2) of the last key
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle of the emitter ------------------------------------------------------------
+
+    async def start(self) -> Self:
+        """Start the producer (unless shared) and learn the topics' partitions before the hot path."""
+        if self._closed:
+            raise StreamError("the stream is closed; create a new one")
+        if self._started:
+            return self
+        if self._producer is None:
+            self._producer = create_producer(self.settings, **self._producer_options)
+        try:
+            if self._owns_producer:
+                await self._producer.start()
+            for topic in self._topics.values():
+                try:
+                    partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
+                except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
+                    raise StreamError(
+                        f"topic {topic} not found on {self.settings.kafka_bootstrap_servers}: create the topics "
+                        "first (`treadle up`, or topics.admin.ensure_topics)"
+                    ) from None
+                self._partition_counts[topic] = len(partitions)
+            self._batcher = PartitionBatcher.for_producer(self._producer)
+        except BaseException:
+            if self._owns_producer:
+                await self._producer.stop()
+                self._producer = None
+            raise
+        self._started = True
+        return self
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker acknowledged every event sent so far; raise ProducerError if any failed.
+
+        Events still unacknowledged after `timeout` (default: delivery_timeout_s) are reported as
+        failed too: the idempotent producer retries forever while the broker is down, so without a
+        bound a dead broker would hang the agent. Resending a reported event is safe (same event_id).
+        """
+        waiting = list(self._pending)  # what was sent so far; later sends are the next flush's
+        if waiting:
+            batches = {sent[2].done for sent in self._pending.values()}  # resolved once their events were told
+            await asyncio.wait(batches, timeout=self.delivery_timeout_s if timeout is None else timeout)
+            overdue = [token for token in waiting if token in self._pending]
+            if overdue:
+                self._expire(overdue, "not acknowledged by the broker when flush timed out")
+        if not self._pending:
+            self._sent_order.clear()
+        self._raise_failures()
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush, then stop the producer if this stream created it (a shared one is left running)."""
+        if self._closed:
+            return
+        try:
+            if self._started:
+                await self.flush(timeout)
+        finally:
+            self._closed = True
+            if self._owns_producer and self._producer is not None:
+                await self._stop_owned_producer(self._producer)
+
+    async def _stop_owned_producer(self, producer: AIOKafkaProducer) -> None:
+        """Stop our producer without hanging on events it can no longer deliver.
+
+        aiokafka's stop() waits for every batch, and with idempotence a batch to a dead broker is
+        retried forever. Those events were already reported to the caller, so the sender is stopped
+        first (no more retries) and their batches failed (aiokafka's own fail_all, the step it takes
+        on a fatal sender error); these are aiokafka internals, hence the getattr guards. Batches
+        not yet handed to the producer are failed first, so none is added while it stops.
+        """
+        if self._batcher is not None:
+            self._batcher.abort(KafkaTimeoutError("the stream closed before these events reached the producer"))
+        if self._abandoned:
+            sender = getattr(producer, "_sender", None)
+            accumulator = getattr(producer, "_message_accumulator", None)
+            if sender is not None and accumulator is not None:
+                await sender.close()
+                accumulator.fail_all(KafkaTimeoutError("the stream closed with events the broker never acknowledged"))
+        await producer.stop()
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            await self.close()
+            return
+        try:  # don't let a delivery failure mask the error that ended the block
+            await self.close()
+        except Exception as close_error:
+            exc.add_note(f"also, while closing the treadle stream: {close_error!r}")
+
+    @property
+    def pending(self) -> int:
+        """Events handed to the producer and not yet acknowledged."""
+        return len(self._pending)
+
+    # -- sending --------------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self._closed:
+            raise StreamError("the stream is closed")
+        if not self._started:
+            raise StreamError("the stream is not started: `await stream.start()` or `async with`")
+
+    def _surface_failures(self) -> None:
+        """Raise what went wrong in the background since the last call, before this call sends anything."""
+        order, pending = self._sent_order, self._pending
+        while order and order[0][1] not in pending:
+            order.popleft()
+        if order and order[0][0] < time.monotonic() - self.delivery_timeout_s:
+            cutoff = time.monotonic() - self.delivery_timeout_s
+            overdue = []
+            while order and order[0][0] < cutoff:
+                token = order.popleft()[1]
+                if token in pending:
+                    overdue.append(token)
+            self._expire(overdue, f"not acknowledged within {self.delivery_timeout_s}s")
+        if self._failures:
+            self._raise_failures()
+
+    def _expire(self, tokens: Iterable[int], why: str) -> None:
+        """Report pending events as failed; the producer may still deliver them (event_id deduplicates)."""
+        for token in tokens:
+            schema, record, _ = self._pending.pop(token)
+            self._abandoned = True
+            self._failures.append(FailedEvent(schema, self._topics[schema], record, KafkaTimeoutError(why)))
+
+    def _raise_failures(self) -> None:
+        if self._failures:
+            failed, self._failures = self._failures, []
+            raise ProducerError(failed[0].error, failed) from failed[0].error
+
+    def _envelope(
+        self,
+        *,
+        event_id: str,
+        session_id: str,
+        episode_id: str,
+        logical_event_id: str,
+        seq: int,
+        trace_id: str,
+        attributes: Mapping[str, Any] | None,
+        event_time: int | None,
+    ) -> dict[str, Any]:
+        if event_time is not None and (problem := event_time_problem(event_time)) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
+        return {
+            "event_id": event_id,
+            "session_id": session_id,
+            "agent_id": self.agent_id,
+            "episode_id": episode_id,
+            "logical_event_id": logical_event_id,
+            "seq": seq,
+            "event_time": time.time_ns() // 1000 if event_time is None else int(event_time),  # now_micros(), inline
+            "policy_version": self.policy_version,
+            "trace_id": trace_id,
+            "attributes": _attrs(attributes) if attributes else {},
+        }
+
+    def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
+        """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
+        try:
+            return self._codec.encode(schema, record)
+        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+            raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
+
+    def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
+        """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.
+
+        Returns None once it is handed over, which is almost always; when the partition's batch is
+        full, a coroutine the caller awaits (it waits for room, then hands the event over). No
+        coroutine per event on the hot path.
+        """
+        topic = self._topics[schema]
+        session_id = record["envelope"]["session_id"]
+        if self._hashed[0] != session_id or not session_id:
+            key = session_id.encode()
+            self._hashed = (session_id, key, key_hash(key))
+        _, key, hashed = self._hashed
+        # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
+        partition = hashed % self._partition_counts[topic]
+        token = self._tokens
+        self._tokens += 1
+        assert self._batcher is not None
+        try:
+            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
+        except Exception as exc:
+            raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
+        if batch is None:
+            return self._send_when_room(schema, record, topic, partition, key, value, token)
+        self._pending[token] = (schema, record, batch)
+        self._sent_order.append((time.monotonic(), token))
+        return None
+
+    async def _send_when_room(
+        self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
+    ) -> None:
+        """The partition's batch is full and the producer has not taken it yet: wait, as aiokafka's send() does."""
+        assert self._batcher is not None
+        try:
+            batch = None
+            while batch is None:
+                await self._batcher.room(topic, partition)
+                batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
+        except Exception as exc:
+            raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
+        self._pending[token] = (schema, record, batch)
+        self._sent_order.append((time.monotonic(), token))
+
+    def _on_delivered(self, token: int, error: BaseException | None) -> None:
+        sent = self._pending.pop(token, None)  # None: already reported as expired
+        if sent is not None and error is not None:
+            schema, record, _ = sent
+            self._failures.append(FailedEvent(schema, self._topics[schema], record, error))
+
+    async def _emit_reward(
+        self,
+        target: StepRef | str,
+        value: float,
+        *,
+        source: str,
+        name: str,
+        confidence: float,
+        annotator: Annotator | str,
+        evidence: str | None,
+        session_id: str | None,
+        episode_id: str | None,
+        trace_id: str | None,
+        attributes: Mapping[str, Any] | None,
+        event_time: int | None,
+        event_id: str | None = None,
+    ) -> str:
+        self._check_ready()
+        self._surface_failures()
+        if event_id is not None and not (isinstance(event_id, str) and event_id):
+            raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
+        if isinstance(target, StepRef):
+            logical_event_id = target.logical_event_id
+            session_id = session_id or target.session_id
+            episode_id = target.episode_id if episode_id is None else episode_id
+            trace_id = target.trace_id if trace_id is None else trace_id
+        else:
+            logical_event_id = target
+            if not session_id:
+                raise ValueError("a reward for a bare logical_event_id needs its session_id (the partition key)")
+        event_id = event_id or uuid7()
+        if (problem := reward_problem(value := float(value), confidence := float(confidence))) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
+        record = {
+            "envelope": self._envelope(
+                event_id=event_id,
+                session_id=session_id,
+                episode_id=episode_id or "",
+                logical_event_id=logical_event_id,
+                seq=self._seq,
+                trace_id=trace_id or "",
+                attributes=attributes,
+                event_time=event_time,
+            ),
+            "source": source,
+            "name": name,
+            "value": value,
+            "confidence": confidence,
+            "annotator": _member(Annotator, _ANNOTATORS, annotator).value,
+            "evidence": evidence,
+        }
+        encoded = self._encode(REWARD, record)
+        self._seq += 1
+        if (waiting := self._send(REWARD, record, encoded)) is not None:
+            await waiting
+        return event_id

@@ -1,0 +1,433 @@
+"""The agent-facing SDK: emit dispatches, tool results, rewards, state deltas and lifecycle events.
+
+An agent loop must never wait for the data plane, so every call returns as soon as its event is
+handed to the Kafka producer (appended to its partition's record batch, which aiokafka sends with
+`send_batch`: streams/sdk/batching.py); the broker's acknowledgement is tracked in the background. Nothing
+is dropped silently either: a send that fails later is recorded, and the next call, `flush()` or
+`close()` raises `ProducerError` naming the failed events (their records are kept for a retry).
+
+Every event is keyed by its session_id, so a session's events share one partition in every input
+topic, and carries a per-stream `seq` that orders them without trusting clocks.
+
+    async with AgentStream(agent_id="shopper") as stream:
+        step = await stream.dispatch("search", {"q": "red shoes"})
+        async with stream.tool_call(step) as call:
+            call.output = await search("red shoes")
+        await stream.reward(step, 0.7, source="heuristic")
+
+Reward sources that only know a step's `logical_event_id` and session use `RewardEmitter`.
+Agents without an event loop use `AgentStreamSync` / `RewardEmitterSync`.
+
+Conventions: a dispatch's event_id is its step's logical_event_id, and its trace_id is that id
+without dashes unless one is given; deltas and lifecycle events not tied to a step carry their own
+event_id as logical_event_id. The partition is Kafka's default, murmur2(session_id) mod partitions,
+as Java clients and Faust compute it. aiokafka's idempotent producer retries forever while the
+broker is down, so `delivery_timeout_s` (default 120 s, like Java's delivery.timeout.ms) bounds how
+long an event may stay unacknowledged before it is reported failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from streams.sdk.emitter import (
+    _Emitter,
+)
+from streams.sdk.types import (
+    _TOOL_STATUSES,
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    Annotator,
+    EdgeLike,
+    LifecycleKind,
+    NodeLike,
+    ProducerError,
+    StepRef,
+    ToolCall,
+    ToolStatus,
+    _edge,
+    _member,
+    _micros,
+    _node,
+    _params_json,
+    _text,
+)
+from topics.codec import AvroCodec
+from topics.event_checks import latency_problem
+from topics.ids import now_micros, uuid7
+from topics.names import DISPATCH, LIFECYCLE, STATE_DELTA, TOOL_RESULT
+from topics.settings import Settings
+from topics.tool_schemas import InvalidParamsError, ToolSchemas
+
+
+class AgentStream(_Emitter):
+    """One agent session's events; async. Use `async with`, or `start()` then `close()`.
+
+    `seq` counts every event this stream emits, from 0; `step` counts its dispatches, from 0.
+    Pass `producer=` (started, on this event loop) to share one producer among many streams: each
+    stream then flushes only its own events and never stops the shared producer.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        agent_id: str,
+        session_id: str | None = None,
+        episode_id: str | None = None,
+        policy_version: str = "",
+        tool_schemas: ToolSchemas | None = None,
+        producer: AIOKafkaProducer | None = None,
+        producer_options: Mapping[str, Any] | None = None,
+        codec: AvroCodec | None = None,
+        delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+    ) -> None:
+        super().__init__(
+            settings,
+            agent_id=agent_id,
+            policy_version=policy_version,
+            producer=producer,
+            producer_options=producer_options,
+            codec=codec,
+            delivery_timeout_s=delivery_timeout_s,
+        )
+        self.session_id = session_id or uuid7()
+        self.episode_id = episode_id or uuid7()
+        self.tool_schemas = tool_schemas if tool_schemas is not None else ToolSchemas.load(self.settings.tool_schemas)
+        self._step = 0
+        self._episode_steps = 0  # dispatches since this stream switched to its current episode
+
+    @property
+    def next_step(self) -> int:
+        """The step number the next dispatch will get."""
+        return self._step
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next event will get."""
+        return self._seq
+
+    async def dispatch(
+        self,
+        tool: str,
+        params: dict[str, Any],
+        *,
+        deadline: datetime | timedelta | int | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        trace_id: str | None = None,
+        event_time: int | None = None,
+    ) -> StepRef:
+        """Open a step: validate `params` (InvalidParamsError before anything is sent), send, return its ids.
+
+        Returns once the event is handed to the producer; the broker's ack is awaited by `flush()`.
+        `deadline`: absolute datetime, timedelta from now, or UTC micros.
+        """
+        self._check_ready()
+        self._surface_failures()
+        self.tool_schemas.validate(tool, params)
+        try:
+            params_json = _params_json(params)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidParamsError(f"params of {tool} are not JSON-serializable: {exc}") from exc
+        event_id = uuid7()
+        trace = trace_id or event_id.replace("-", "")
+        envelope = self._envelope(
+            event_id=event_id,
+            session_id=self.session_id,
+            episode_id=self.episode_id,
+            logical_event_id=event_id,
+            seq=self._seq,
+            trace_id=trace,
+            attributes=attributes,
+            event_time=event_time,
+        )
+        step = self._step
+        record = {
+            "envelope": envelope,
+            "step": step,
+            "tool": tool,
+            "params_json": params_json,
+            "deadline": _micros(deadline),
+        }
+        encoded = self._encode(DISPATCH, record)
+        # No await between reading the counters and advancing them: concurrent dispatches never share a step.
+        self._step += 1
+        self._episode_steps += 1
+        self._seq += 1
+        if (waiting := self._send(DISPATCH, record, encoded)) is not None:
+            await waiting
+        # positional: a frozen dataclass's keyword call costs a third more, once per step
+        session_id, episode_id, dispatched_at = envelope["session_id"], envelope["episode_id"], envelope["event_time"]
+        return StepRef(event_id, trace, step, session_id, episode_id, tool, dispatched_at)
+
+    def tool_call(self, step: StepRef) -> _AsyncToolCallContext:
+        """Measure a tool call and emit its ToolResult on exit (OK, ERROR on exception, TIMEOUT on TimeoutError).
+
+        The exception is re-raised; if emitting fails while one is in flight, the failure is kept
+        for the next call / flush instead of replacing the tool's exception.
+        """
+        return _AsyncToolCallContext(self, step)
+
+    async def tool_result(
+        self,
+        step: StepRef,
+        status: ToolStatus | str,
+        *,
+        output: Any = None,
+        error: str | None = None,
+        latency_ms: float | None = None,
+        cost_usd: float = 0.0,
+        tokens_in: int = 0,
+        tokens_out: int = 0,
+        retries: int = 0,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+    ) -> str:
+        """Record a tool's outcome explicitly; latency defaults to the time since the dispatch. Returns its event_id."""
+        self._check_ready()
+        self._surface_failures()
+        return await self._tool_result(
+            step,
+            _member(ToolStatus, _TOOL_STATUSES, status),
+            output=output,
+            error=error,
+            latency_ms=latency_ms,
+            cost_usd=cost_usd,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
+            retries=retries,
+            attributes=attributes,
+            event_time=event_time,
+        )
+
+    async def _tool_result(
+        self,
+        step: StepRef,
+        status: ToolStatus,
+        *,
+        output: Any,
+        error: str | None,
+        latency_ms: float | None,
+        cost_usd: float,
+        tokens_in: int,
+        tokens_out: int,
+        retries: int,
+        attributes: Mapping[str, Any] | None,
+        event_time: int | None,
+    ) -> str:
+        if latency_ms is None:
+            latency_ms = max(0.0, (now_micros() - step.dispatched_at) / 1000.0) if step.dispatched_at else 0.0
+        if (problem := latency_problem(latency_ms := float(latency_ms))) is not None:
+            raise ValueError(problem)
+        event_id = uuid7()
+        record = {
+            "envelope": self._envelope(
+                event_id=event_id,
+                session_id=step.session_id,
+                episode_id=step.episode_id,
+                logical_event_id=step.logical_event_id,
+                seq=self._seq,
+                trace_id=step.trace_id,
+                attributes=attributes,
+                event_time=event_time,
+            ),
+            "tool": step.tool,
+            "status": status.value,
+            "output": _text(output),
+            "error": error,
+            "latency_ms": latency_ms,
+            "cost_usd": float(cost_usd),
+            "tokens_in": int(tokens_in),
+            "tokens_out": int(tokens_out),
+            "retries": int(retries),
+        }
+        encoded = self._encode(TOOL_RESULT, record)
+        self._seq += 1
+        if (waiting := self._send(TOOL_RESULT, record, encoded)) is not None:
+            await waiting
+        return event_id
+
+    async def _emit_tool_call(self, call: ToolCall, in_flight: BaseException | None) -> None:
+        """Emit a finished ToolCall. While the tool's own exception is `in_flight`, a failure here must not
+        replace it: an undelivered event is kept for the next call / flush, anything else becomes a note on it."""
+        if in_flight is None:
+            self._check_ready()
+            self._surface_failures()
+        assert call.status is not None
+        try:
+            await self._tool_result(
+                call.step,
+                _member(ToolStatus, _TOOL_STATUSES, call.status),
+                output=call.output,
+                error=call.error,
+                latency_ms=call.latency_ms,
+                cost_usd=call.cost_usd,
+                tokens_in=call.tokens_in,
+                tokens_out=call.tokens_out,
+                retries=call.retries,
+                attributes=call.attributes,
+                event_time=None,
+            )
+        except Exception as exc:
+            if in_flight is None:
+                raise
+            if isinstance(exc, ProducerError):
+                self._failures.extend(exc.failed)
+            in_flight.add_note(f"treadle could not record this tool call's result: {exc!r}")
+
+    async def reward(
+        self,
+        target: StepRef | str,
+        value: float,
+        *,
+        source: str,
+        name: str = "reward",
+        confidence: float = 1.0,
+        annotator: Annotator | str = Annotator.CODE,
+        evidence: str | None = None,
+        session_id: str | None = None,
+        episode_id: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+        event_id: str | None = None,
+    ) -> str:
+        """Emit a reward signal for a step (a StepRef, or a logical_event_id of this stream's session by default).
+
+        `event_id`: give one derived from what was judged (e.g. a uuid5) when the same reward may be emitted again,
+        by a re-run or a retry: the step assembler ignores a duplicate event_id. Default: a fresh uuid7."""
+        if not isinstance(target, StepRef):
+            session_id = session_id or self.session_id
+            episode_id = self.episode_id if episode_id is None and session_id == self.session_id else episode_id
+        return await self._emit_reward(
+            target,
+            value,
+            source=source,
+            name=name,
+            confidence=confidence,
+            annotator=annotator,
+            evidence=evidence,
+            session_id=session_id,
+            episode_id=episode_id,
+            trace_id=None,
+            attributes=attributes,
+            event_time=event_time,
+            event_id=event_id,
+        )
+
+    async def delta(
+        self,
+        *,
+        node_upserts: Iterable[NodeLike] = (),
+        node_deletes: Iterable[str] = (),
+        edge_upserts: Iterable[EdgeLike] = (),
+        edge_deletes: Iterable[EdgeLike] = (),
+        rollback_to: str | None = None,
+        step_ref: StepRef | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+    ) -> str:
+        """Emit a state-graph change; tied to `step_ref` if given, else its logical_event_id is its own event_id."""
+        self._check_ready()
+        self._surface_failures()
+        event_id = uuid7()
+        record = {
+            "envelope": self._envelope(
+                event_id=event_id,
+                session_id=self.session_id,
+                episode_id=step_ref.episode_id if step_ref else self.episode_id,
+                logical_event_id=step_ref.logical_event_id if step_ref else event_id,
+                seq=self._seq,
+                trace_id=step_ref.trace_id if step_ref else "",
+                attributes=attributes,
+                event_time=event_time,
+            ),
+            "node_upserts": [_node(n) for n in node_upserts],
+            "node_deletes": [str(n) for n in node_deletes],
+            "edge_upserts": [_edge(e) for e in edge_upserts],
+            "edge_deletes": [_edge(e) for e in edge_deletes],
+            "rollback_to": rollback_to,
+        }
+        encoded = self._encode(STATE_DELTA, record)
+        self._seq += 1
+        if (waiting := self._send(STATE_DELTA, record, encoded)) is not None:
+            await waiting
+        return event_id
+
+    async def lifecycle(
+        self,
+        kind: LifecycleKind | str,
+        *,
+        done: bool = False,
+        truncated: bool = False,
+        reason: str | None = None,
+        episode_id: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+        reward: float | None = None,
+        steps: int | None = None,
+    ) -> str:
+        """Emit a session/episode phase change; `episode_id` switches this stream to that episode first.
+
+        EPISODE_ENDED may carry the episode's `reward` (spread over its steps by the credit processor);
+        `steps` defaults to the dispatches this stream made in the episode, which credit waits for.
+        """
+        self._check_ready()
+        self._surface_failures()
+        kind = LifecycleKind(kind)
+        switching = bool(episode_id) and episode_id != self.episode_id
+        if steps is None and kind is LifecycleKind.EPISODE_ENDED and not switching:
+            steps = self._episode_steps
+        event_id = uuid7()
+        record = {
+            "envelope": self._envelope(
+                event_id=event_id,
+                session_id=self.session_id,
+                episode_id=episode_id or self.episode_id,
+                logical_event_id=event_id,
+                seq=self._seq,
+                trace_id="",
+                attributes=attributes,
+                event_time=event_time,
+            ),
+            "kind": kind.value,
+            "done": bool(done),
+            "truncated": bool(truncated),
+            "reason": reason,
+            "reward": None if reward is None else float(reward),
+            "steps": None if steps is None else int(steps),
+        }
+        encoded = self._encode(LIFECYCLE, record)
+        if switching:
+            self._episode_steps = 0
+        if episode_id:
+            self.episode_id = episode_id
+        self._seq += 1
+        if (waiting := self._send(LIFECYCLE, record, encoded)) is not None:
+            await waiting
+        return event_id
+
+
+class _AsyncToolCallContext:
+    def __init__(self, stream: AgentStream, step: StepRef) -> None:
+        self._stream = stream
+        self._call = ToolCall(step)
+
+    async def __aenter__(self) -> ToolCall:
+        self._stream._check_ready()
+        self._call._started = time.perf_counter()
+        return self._call
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is not None and not isinstance(exc, Exception | asyncio.CancelledError):
+            return False  # KeyboardInterrupt / SystemExit: the process is going down
+        self._call._finish(exc)
+        await self._stream._emit_tool_call(self._call, exc)
+        return False

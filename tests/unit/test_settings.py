@@ -1,0 +1,57 @@
+"""Settings: every variable round-trips through the environment and is documented in the README."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.paths import REPO_ROOT
+from topics import native_codec
+from topics.settings import InvalidSettingError, Settings
+
+
+def test_every_setting_round_trips_through_the_environment(tmp_path) -> None:
+    settings = Settings(
+        home=tmp_path, partitions=7, processors=("steps", "state"), sink="off", redis_url="redis://x",
+        gc_thresholds=(1000, 20, 50),
+    )  # fmt: skip
+    assert Settings.from_env(settings.to_env()) == settings
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"TREADLE_PARTITIONS": "x"}, "TREADLE_PARTITIONS='x': Input should be a valid integer"),
+        ({"TREADLE_GC_THRESHOLDS": "700,10"}, "TREADLE_GC_THRESHOLDS='700,10' (item 3): Field required"),
+        ({"TREADLE_GC_THRESHOLDS": "700,-1,10"}, "TREADLE_GC_THRESHOLDS='700,-1,10' (item 2): Input should be greater"),
+        ({"TREADLE_SINK": "maybe", "TREADLE_CREDIT_GAMMA": "2"}, "TREADLE_SINK='maybe': Input should be 'child' or"),
+    ],
+)
+def test_an_unusable_variable_is_named_with_its_value_and_why(env: dict[str, str], says: str) -> None:
+    with pytest.raises(InvalidSettingError) as raised:
+        Settings.from_env(env)
+    assert str(raised.value).startswith(says)
+    assert ("(and 1 more)" in str(raised.value)) == (len(env) > 1)
+
+
+def test_the_cli_prints_one_line_for_an_unusable_variable() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "processors"],
+        cwd=REPO_ROOT, env={"PATH": "/usr/bin:/bin", "TREADLE_PARTITIONS": "four"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: TREADLE_PARTITIONS='four': Input should be a valid integer, unable to parse string as an integer"
+    ]
+
+
+def test_every_environment_variable_is_in_the_readme() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    documented = set(re.findall(r"^\| `([A-Z_]+)` \|", readme, flags=re.MULTILINE))
+    variables = {field.description.split(":", 1)[0] for field in Settings.model_fields.values()}
+    variables.add(native_codec.ENV)  # read by the codec itself, which the SDK uses without settings
+    assert variables - documented == set(), "add these to the README's configuration table"
+    assert documented - variables == set(), "the README documents variables that no longer exist"

@@ -1,0 +1,42 @@
+"""A rebalance stuck behind an unacked batch says what every task awaits (streams/runtime/faust_transport.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from streams.runtime.faust_transport import ResumingConsumer, task_stacks
+
+
+async def folding_a_batch(never: asyncio.Event) -> None:
+    await never.wait()
+
+
+async def test_task_stacks_show_where_each_task_awaits() -> None:
+    never = asyncio.Event()
+    stuck = asyncio.create_task(folding_a_batch(never), name="fold-batch-7")
+    await asyncio.sleep(0)
+    try:
+        text = task_stacks()
+    finally:
+        stuck.cancel()
+    assert "--- fold-batch-7: <coroutine object folding_a_batch" in text
+    assert "await never.wait()" in text  # the line the task is parked on
+    assert "test_task_stacks_show_where_each_task_awaits" in text  # the running task is listed too
+
+
+async def test_a_long_wait_for_acks_is_reported_once_with_the_task_stacks(caplog: pytest.LogCaptureFixture) -> None:
+    consumer = SimpleNamespace(_unacked_messages={"m1", "m2", "m3"})
+    never = asyncio.Event()
+    stuck = asyncio.create_task(folding_a_batch(never), name="fold-batch-8")
+    try:
+        with caplog.at_level(logging.WARNING, logger="streams.runtime.faust_transport"):
+            await ResumingConsumer._report_stall(consumer, 0.01)  # type: ignore[arg-type]
+    finally:
+        stuck.cancel()
+    [record] = caplog.records
+    assert record.getMessage().startswith("waited 0 s for 3 handed-out input batches or messages to be acked")
+    assert "fold-batch-8" in record.getMessage() and "await never.wait()" in record.getMessage()

@@ -1,0 +1,291 @@
+"""Configuration from the environment, with documented defaults.
+
+Every knob lives here so the README table and the code cannot drift apart: each field's
+description is the documentation, and `Settings.from_env()` is the only reader of os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+
+_ENV_NAMES = {
+    "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
+    "clickhouse_url": "CLICKHOUSE_URL",
+    "redis_url": "REDIS_URL",
+}
+_LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environment
+
+
+def env_var(field: str) -> str:
+    """The environment variable of a Settings field."""
+    return _ENV_NAMES.get(field, f"TREADLE_{field.upper()}")
+
+
+class InvalidSettingError(ValueError):
+    """An environment variable treadle cannot use; the message names it, its value and why, in one line."""
+
+
+class Settings(BaseModel):
+    """treadle settings; the env var is the upper-cased field name prefixed with TREADLE_ unless noted."""
+
+    model_config = ConfigDict(frozen=True)
+
+    home: Path = Field(
+        default_factory=lambda: Path.cwd() / ".treadle",
+        description=(
+            "TREADLE_HOME: folder for local Kafka data, chDB data, Valkey data, logs and caches; "
+            "default: .treadle in the current directory."
+        ),
+    )
+    kafka_bootstrap_servers: str = Field(
+        default="127.0.0.1:19092",
+        description="KAFKA_BOOTSTRAP_SERVERS: brokers to use; the local stack listens here by default.",
+    )
+    kafka_controller_port: int = Field(
+        default=19093, description="TREADLE_KAFKA_CONTROLLER_PORT: KRaft controller port of the local broker."
+    )
+    kafka_version: str = Field(
+        default="4.1.1", description="TREADLE_KAFKA_VERSION: Apache Kafka version the local stack runs."
+    )
+    local_kafka: bool = Field(
+        default=True,
+        description="TREADLE_LOCAL_KAFKA: `treadle up` starts a broker on KAFKA_BOOTSTRAP_SERVERS; 0 uses yours.",
+    )
+    kafka_heap: str = Field(default="512m", description="TREADLE_KAFKA_HEAP: -Xmx of the local broker's JVM.")
+    java_bin: str = Field(default="java", description="TREADLE_JAVA_BIN: Java 17+ used to run the local broker.")
+    mvn_bin: str = Field(default="mvn", description="TREADLE_MVN_BIN: Maven, used once to download the broker's jars.")
+    cache: Path | None = Field(
+        default=None,
+        description="TREADLE_CACHE: downloaded Kafka jars and Maven repository; unset means TREADLE_HOME/cache.",
+    )
+    clickhouse_url: str | None = Field(
+        default=None,
+        description="CLICKHOUSE_URL: e.g. http://user:pass@host:8123/db; unset means embedded chDB under TREADLE_HOME.",
+    )
+    redis_url: str | None = Field(
+        default=None, description="REDIS_URL: unset means the bundled Valkey server on TREADLE_VALKEY_PORT."
+    )
+    valkey_port: int = Field(default=16379, description="TREADLE_VALKEY_PORT: port of the bundled Valkey server.")
+    partitions: int = Field(
+        default=4, description="TREADLE_PARTITIONS: partitions of every co-partitioned topic (input and output)."
+    )
+    replication_factor: int = Field(default=1, description="TREADLE_REPLICATION_FACTOR: replicas per topic.")
+    topic_prefix: str = Field(
+        default="treadle", description="TREADLE_TOPIC_PREFIX: prefix of every topic name (one deployment each)."
+    )
+    app_id: str = Field(default="treadle", description="TREADLE_APP_ID: Faust app id (consumer group, table names).")
+    web_port: int = Field(
+        default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/metrics for Prometheus, Faust pages)."
+    )
+    bind_host: str = Field(
+        default="127.0.0.1",
+        description="TREADLE_BIND_HOST: address the worker's web port and the sink's SQL/metrics port bind; "
+        "0.0.0.0 in containers so Prometheus can scrape (the SQL endpoint is read-only).",
+    )
+    gpu_sample_seconds: float = Field(
+        default=10.0,
+        description="TREADLE_GPU_SAMPLE_SECONDS: GPU telemetry period (NVML metrics and resource events); 0 = off.",
+    )
+    processors: tuple[str, ...] = Field(
+        default=("steps",),
+        description="TREADLE_PROCESSORS: comma-separated processors the worker runs, by plugin name "
+        "(`treadle processors` lists them: steps, state, safety, credit, safety_judge, llm_judge).",
+    )
+    process_batch_size: int = Field(
+        default=8000,
+        description="TREADLE_PROCESS_BATCH_SIZE: input events the worker folds per batch, at most (a backlog fills "
+        "it; live input makes smaller batches, see TREADLE_PROCESS_BATCH_SECONDS).",
+    )
+    commit_every: int = Field(
+        default=50_000,
+        ge=1,
+        description="TREADLE_COMMIT_EVERY: input records acked between offset commits when the worker reads them "
+        "faster than Faust's 2.8 s commit interval (a backlog). Each commit writes out the steps changed since the "
+        "last one, so fewer commits write a step fewer times; a crash replays what was not committed.",
+    )
+    process_batch_seconds: float = Field(
+        default=0.05,
+        description="TREADLE_PROCESS_BATCH_SECONDS: longest wait to fill a batch while input trickles in (0: none).",
+    )
+    input_max_skew_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="TREADLE_INPUT_MAX_SKEW_S: how far (record timestamps) an input topic's partition may read ahead "
+        "of a co-partitioned one with records left, e.g. catching up a backlog; inf = read them as fetched.",
+    )
+    catch_up_backlog: int = Field(
+        default=2000,
+        ge=0,
+        description="TREADLE_CATCH_UP_BACKLOG: input records of a partition still in Kafka from which the worker is "
+        "catching up there: it then publishes a step's rows once no required source is waiting, and its pending "
+        "rows when it has caught up; 0 = always publish pending rows at once.",
+    )
+    output_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="zstd",
+        description="TREADLE_OUTPUT_COMPRESSION: compression of the record batches a worker produces (outputs and "
+        "table changelogs); none, gzip, snappy, lz4 or zstd.",
+    )
+    reward_policy: Path | None = Field(
+        default=None,
+        description="TREADLE_REWARD_POLICY: JSON/YAML reward policy (specs per source); unset = every source "
+        "optional, window 1 day. `treadle policy push` publishes newer versions at runtime.",
+    )
+    watermark_lag_s: float = Field(
+        default=5.0,
+        description="TREADLE_WATERMARK_LAG_S: bounded out-of-orderness; the watermark trails the newest event "
+        "time by this.",
+    )
+    idle_timeout_s: float = Field(
+        default=30.0,
+        description="TREADLE_IDLE_TIMEOUT_S: a silent input partition stops holding the watermark back after this; "
+        "when all are silent the watermark follows processing time.",
+    )
+    window_tick_s: float = Field(
+        default=1.0, description="TREADLE_WINDOW_TICK_S: how often the worker closes due step windows with no input."
+    )
+    sink: Literal["child", "off"] = Field(
+        default="child",
+        description="TREADLE_SINK: child = `treadle worker` runs `treadle sink` as a child process; "
+        "off = processors only (run `treadle sink` yourself).",
+    )
+    sql_port: int = Field(
+        default=16067, description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves /metrics."
+    )
+    sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
+    sink_flush_seconds: float = Field(
+        default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
+    )
+    credit_rule: Literal["terminal", "uniform", "discounted"] = Field(
+        default="discounted",
+        description="TREADLE_CREDIT_RULE: how the credit processor spreads an episode reward over its steps "
+        "(terminal, uniform or discounted); a reward's credit_rule attribute overrides it.",
+    )
+    credit_gamma: float = Field(
+        default=0.99,
+        ge=0.0,
+        le=1.0,
+        description="TREADLE_CREDIT_GAMMA: discount of the discounted credit rule (step t of T gets "
+        "gamma**(T-1-t) * R); a reward's gamma attribute overrides it.",
+    )
+    safety_judge_values: str = Field(
+        default="-1,0,1",
+        description="TREADLE_SAFETY_JUDGE_VALUES: the safety_judge's reward when an event is unsafe (high severity, "
+        "or PII in a tool result), cautionary (only low/medium rules fired) and clean, comma-separated.",
+    )
+    llm_judge_url: str | None = Field(
+        default=None,
+        description="TREADLE_LLM_JUDGE_URL: HTTP endpoint the llm_judge posts each step to; required when "
+        "llm_judge is in TREADLE_PROCESSORS.",
+    )
+    llm_judge_timeout_s: float = Field(
+        default=10.0, gt=0, description="TREADLE_LLM_JUDGE_TIMEOUT_S: timeout of one llm_judge HTTP call."
+    )
+    llm_judge_concurrency: int = Field(
+        default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
+    )
+    state_auto_nodes: bool = Field(
+        default=True,
+        description="TREADLE_STATE_AUTO_NODES: dispatches and tool results add state-graph nodes and a causes edge.",
+    )
+    state_idle_flush_s: float = Field(
+        default=1.0,
+        description="TREADLE_STATE_IDLE_FLUSH_S: longest wait of a state event for its session's other topics "
+        "to catch up before it is applied anyway.",
+    )
+    state_max_buffer: int = Field(
+        default=1_000, description="TREADLE_STATE_MAX_BUFFER: most events a session's state reorder buffer holds."
+    )
+    state_max_nodes: int = Field(
+        default=1_000_000, description="TREADLE_STATE_MAX_NODES: most live nodes per session; more is refused."
+    )
+    state_history: int = Field(
+        default=256, description="TREADLE_STATE_HISTORY: versions per session that rollback_to can reach."
+    )
+    state_ended_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="TREADLE_STATE_ENDED_TTL_S: how long a closed session's latest state stays in Redis.",
+    )
+    step_retention_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="TREADLE_STEP_RETENTION_S: a step's state is deleted this long (event time, by the watermark) "
+        "after its last reward deadline; a reward arriving later for it is reported as an orphan.",
+    )
+    table_memory_mb: int = Field(
+        default=64,
+        ge=4,
+        description="TREADLE_TABLE_MEMORY_MB: RocksDB memory of the worker, all tables and partitions together: one "
+        "shared block cache that the memtables (up to half of it) are charged to; Faust's own default is about "
+        "2.2 GB per table partition.",
+    )
+    gc_thresholds: tuple[NonNegativeInt, NonNegativeInt, NonNegativeInt] = Field(
+        default=(100_000, 10, 20),
+        description="TREADLE_GC_THRESHOLDS: gc.set_threshold of the worker and sink processes, comma-separated; "
+        "the first is above what one input batch allocates, so its short-lived objects die before a young "
+        "collection walks them, and full collections, which walk every parsed step and free next to nothing, "
+        "are rare (streams/runtime/garbage_collection.py).",
+    )
+    tool_schemas: Path | None = Field(
+        default=None,
+        description="TREADLE_TOOL_SCHEMAS: JSON file {tool: JSON Schema} checked at the processor boundary.",
+    )
+
+    @property
+    def embedded_clickhouse(self) -> bool:
+        return self.clickhouse_url is None
+
+    @property
+    def chdb_path(self) -> Path:
+        return self.home / "chdb"
+
+    @property
+    def worker_dir(self) -> Path:
+        return self.home / "worker"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.cache if self.cache is not None else self.home / "cache"
+
+    def to_env(self) -> dict[str, str]:
+        """The environment variables that reproduce these settings in another process."""
+        env = {}
+        for field, value in self.model_dump().items():
+            if isinstance(value, tuple):
+                value = ",".join(map(str, value))
+            if value is not None:
+                env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)
+        return env
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Settings:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for field in cls.model_fields:
+            var = env_var(field)
+            if env.get(var):
+                values[field] = tuple(env[var].split(",")) if field in _LIST_FIELDS else env[var]
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise InvalidSettingError(_explain(exc, env)) from None
+
+
+def _explain(exc: ValidationError, env: dict[str, str]) -> str:
+    """The first problem of a ValidationError as `VAR='value': why` (item N of a comma-separated list)."""
+    problems = exc.errors()
+    first = problems[0]
+    field, *inner = first["loc"]
+    var = env_var(str(field))
+    items = "".join(f" (item {i + 1})" for i in inner if isinstance(i, int))
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{var}={env.get(var, '')!r}{items}: {first['msg']}{more}"

@@ -1,0 +1,50 @@
+"""Checks at the processor boundary for records that decoded but must not be folded in.
+
+Producers that bypass the SDK (any language can write the topics) can send schema-valid nonsense;
+each problem found here sends the record to dead letters with a reason instead of into a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from topics.event_checks import event_time_problem, latency_problem, reward_problem
+from topics.names import DISPATCH, REWARD, TOOL_RESULT
+from topics.tool_schemas import ToolSchemas
+
+_REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
+
+
+class InputValidator:
+    def __init__(self, tool_schemas: ToolSchemas | None = None) -> None:
+        self.tool_schemas = tool_schemas or ToolSchemas()
+
+    def problem(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> str | None:
+        """Why the record is invalid, or None."""
+        env = record.get("envelope")
+        if not isinstance(env, dict):
+            return "record has no envelope"
+        for name in _REQUIRED_ENVELOPE:
+            if not env.get(name):
+                return f"envelope.{name} is empty"
+        if key is None:
+            return (
+                f"the message has no key; events must be keyed by envelope.session_id ({env['session_id']!r}) so a "
+                "session stays in one partition"
+            )
+        if key.decode("utf-8", "replace") != env["session_id"]:
+            return (
+                f"message key {key[:64]!r} differs from envelope.session_id {env['session_id']!r}; "
+                "events must be keyed by session_id so a session stays in one partition"
+            )
+        if (problem := event_time_problem(env["event_time"])) is not None:
+            return problem
+        if schema_name == DISPATCH:
+            if record["step"] < 0:
+                return f"step must be >= 0, got {record['step']}"
+            return self.tool_schemas.error_in_json(record["tool"], record["params_json"])
+        if schema_name == TOOL_RESULT:
+            return latency_problem(record["latency_ms"])
+        if schema_name == REWARD:
+            return reward_problem(record["value"], record["confidence"])
+        return None

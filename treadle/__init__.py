@@ -1,0 +1,64 @@
+"""treadle: the data plane for agentic reinforcement learning.
+
+The public API. Agents emit with `AgentStream` (or `AgentStreamSync`), reward sources with `RewardEmitter`;
+plugin authors implement `EventProcessor`. Everything else is internal and may move.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from streams.sdk import (
+    Annotator,
+    Edge,
+    FailedEvent,
+    LifecycleKind,
+    Node,
+    ProducerError,
+    RewardEmitter,
+    RewardEmitterSync,
+    StepRef,
+    StreamError,
+    ToolCall,
+    ToolStatus,
+)
+from topics.settings import Settings
+from topics.tool_schemas import InvalidParamsError, ToolSchemas
+from treadle.agent import AgentStream, AgentStreamSync
+
+if TYPE_CHECKING:
+    from streams.runtime.processor import EventProcessor, InputEvent, ProcessingContext
+
+__all__ = [
+    "AgentStream",
+    "AgentStreamSync",
+    "Annotator",
+    "Edge",
+    "EventProcessor",
+    "FailedEvent",
+    "InputEvent",
+    "InvalidParamsError",
+    "LifecycleKind",
+    "Node",
+    "ProcessingContext",
+    "ProducerError",
+    "RewardEmitter",
+    "RewardEmitterSync",
+    "Settings",
+    "StepRef",
+    "StreamError",
+    "ToolCall",
+    "ToolSchemas",
+    "ToolStatus",
+]
+
+# The plugin interface needs the worker extra (Faust); the SDK alone must import without it.
+_WORKER_EXPORTS = {"EventProcessor", "InputEvent", "ProcessingContext"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_EXPORTS:
+        from streams.runtime import processor
+
+        return getattr(processor, name)
+    raise AttributeError(f"module 'treadle' has no attribute {name!r}")

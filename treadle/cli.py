@@ -1,0 +1,532 @@
+"""The `treadle` command line. A user mistake prints one readable line and exits 1, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from topics.settings import Settings
+
+app = typer.Typer(help="treadle: the data plane for agentic RL.", no_args_is_help=True, add_completion=False)
+console = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from aiokafka.errors import KafkaConnectionError
+
+    from processors.steps.policy import PolicyError
+    from sinks.clickhouse import ClickHouseUnavailableError
+    from sinks.sql_client import QueryFailedError
+    from sinks.sql_guard import ReadOnlyQueryError
+    from streams.runtime.plugins import PluginError
+    from streams.runtime.processes import StackError
+    from topics.admin import TopicMismatchError
+    from topics.registry import IncompatibleSchemaError
+    from topics.settings import InvalidSettingError
+    from topics.tool_schemas import InvalidParamsError
+    from treadle.reports.eval_report import ReportError
+
+    return (
+        UserError,
+        StackError,
+        TopicMismatchError,
+        IncompatibleSchemaError,
+        InvalidParamsError,
+        ReadOnlyQueryError,
+        QueryFailedError,
+        ClickHouseUnavailableError,
+        KafkaConnectionError,
+        PluginError,
+        PolicyError,
+        ReportError,
+        InvalidSettingError,
+    )
+
+
+def friendly(fn: F) -> F:
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _user_errors() as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+@app.command()
+@friendly
+def up() -> None:
+    """Start the local stack: Kafka (KRaft) and Valkey; create topics and register schemas."""
+    from streams.runtime.worker import prepare_cluster
+    from treadle.devstack.stack import LocalStack
+
+    s = settings()
+    with console.status("starting Kafka and Valkey (the first run downloads Kafka's jars)…"):
+        status = LocalStack(s).up()
+    _print_status(status)
+    with console.status("creating topics and registering schemas…"):
+        asyncio.run(prepare_cluster(s))
+    console.print(f"topics ready ({s.partitions} partitions each); ClickHouse: {_clickhouse_target(s)}")
+
+
+def _clickhouse_target(s: Settings) -> str:
+    return f"chDB at {s.chdb_path}" if s.embedded_clickhouse else str(s.clickhouse_url)
+
+
+@app.command()
+@friendly
+def down() -> None:
+    """Stop the local stack (only processes treadle started)."""
+    from treadle.devstack.stack import LocalStack
+
+    _print_status(LocalStack(settings()).down())
+
+
+@app.command()
+@friendly
+def status() -> None:
+    """Show the local stack and whether a worker is running."""
+    from streams.runtime.run_info import WorkerInfo
+    from treadle.devstack.stack import LocalStack
+
+    s = settings()
+    _print_status(LocalStack(s).status())
+    from streams.runtime.run_info import SqlEndpoint
+
+    info = WorkerInfo.read(s)
+    where = f"running, pid {info.pid}, http://127.0.0.1:{info.web_port}" if info else "not running"
+    console.print(f"worker: {where}")
+    endpoint = SqlEndpoint.read(s)
+    sink_state = f"running, pid {endpoint.pid}, SQL on 127.0.0.1:{endpoint.port}" if endpoint else "not running"
+    console.print(f"sink: {sink_state}")
+
+
+def _print_status(status: Any) -> None:
+    table = Table(show_header=True, header_style="bold")
+    for column in ("service", "state", "address", "detail"):
+        table.add_column(column)
+    for service in status.services:
+        state = "running" if service.running else ("external" if not service.managed else "stopped")
+        table.add_row(service.name, state, service.address, service.detail)
+    console.print(table)
+
+
+@app.command()
+@friendly
+def worker(loglevel: str = typer.Option("info", help="Log level: debug, info, warning.")) -> None:
+    """Run a worker: step assembly, the ClickHouse sink and the SQL endpoint for `treadle sql`."""
+    from streams.runtime.worker import run_worker
+
+    run_worker(settings(), loglevel=loglevel)
+
+
+@app.command()
+@friendly
+def sink(
+    parent: int = typer.Option(0, help="Stop when this worker PID is gone (set by `treadle worker`)."),
+) -> None:
+    """Run the ClickHouse sink and the read-only SQL endpoint (the worker starts one by default)."""
+    from sinks.service import run_sink
+
+    logging.getLogger().setLevel(logging.INFO)
+    run_sink(settings(), parent_pid=parent or None)
+
+
+@app.command()
+@friendly
+def sql(
+    query: str = typer.Argument(..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN."),
+    as_json: bool = typer.Option(False, "--json", help="Print rows as JSON lines."),
+) -> None:
+    """Query the ClickHouse tables (through the running worker when it owns the embedded chDB)."""
+    from sinks.sql_client import run_sql
+
+    columns, rows = run_sql(settings(), query)
+    if as_json:
+        for row in rows:
+            sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*[_cell(v) for v in row])
+    console.print(table)
+    console.print(f"{len(rows)} row(s)")
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "…"
+
+
+@app.command()
+@friendly
+def explain(
+    logical_event_id: str = typer.Argument(..., help="The step whose reward to explain."),
+    revision: int | None = typer.Option(None, "--revision", help="An older revision of the woven reward."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Why a step got its reward: components, weights, contributions, rules fired, conflicts, imputed parts."""
+    from functools import partial
+
+    from sinks.sql_client import run_sql
+    from treadle.reports.explain import ExplainError, fetch_explanation, render
+
+    try:
+        explanation = fetch_explanation(partial(run_sql, settings()), logical_event_id, revision)
+    except ExplainError as exc:
+        raise UserError(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(explanation.as_json(), default=str) + "\n")
+    else:
+        render(explanation, console)
+
+
+@app.command()
+@friendly
+def topics() -> None:
+    """List the topic catalog and what the broker has."""
+    from topics.catalog import TopicCatalog
+
+    s = settings()
+    states = asyncio.run(_topic_states(s))
+    table = Table(show_header=True, header_style="bold")
+    for column in ("topic", "role", "partitions", "key", "value schema", "cleanup/retention", "on broker"):
+        table.add_column(column)
+    for spec in TopicCatalog(s):
+        found = states.get(spec.name)
+        table.add_row(
+            spec.name,
+            str(spec.role),
+            str(spec.partitions),
+            spec.key,
+            spec.value_schema or "JSON",
+            f"{spec.config.get('cleanup.policy')}/{spec.config.get('retention.ms')}",
+            "missing" if found is None else f"{found} partitions",
+        )
+    console.print(table)
+
+
+@app.command()
+@friendly
+def processors(as_json: bool = typer.Option(False, "--json", help="Print one JSON object per processor.")) -> None:
+    """List the processor plugins (entry points `treadle.processors`) and which ones TREADLE_PROCESSORS enables."""
+    from streams.runtime.plugins import ProcessorRegistry
+
+    enabled = set(settings().processors)
+    infos, errors = ProcessorRegistry.discover().describe()
+    if as_json:
+        for info in infos:
+            sys.stdout.write(json.dumps({**info.to_json(), "enabled": info.name in enabled}) + "\n")
+    else:
+        table = Table(show_header=True, header_style="bold")
+        for column in ("name", "kind", "enabled", "inputs", "module"):
+            table.add_column(column, no_wrap=True)
+        table.add_column("doc")
+        for info in infos:
+            inputs = "\n".join(i.rsplit(".", 1)[-1] for i in info.inputs)
+            on = "yes" if info.name in enabled else ""
+            table.add_row(info.name, str(info.kind), on, inputs, info.module, info.doc)
+        console.print(table)
+    for error in errors:
+        err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+    if errors:
+        raise typer.Exit(1)
+
+
+async def _topic_states(s: Settings) -> dict[str, int]:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap_servers, request_timeout_ms=5000)
+    await admin.start()
+    try:
+        names = await admin.list_topics()
+        described = await admin.describe_topics([n for n in names if n.startswith((s.topic_prefix, "_"))])
+        return {d["topic"]: len(d["partitions"]) for d in described}
+    finally:
+        await admin.close()
+
+
+schemas_app = typer.Typer(help="The schema registry on the _<prefix>.schemas topic.", no_args_is_help=True)
+app.add_typer(schemas_app, name="schemas")
+
+
+@schemas_app.command("list")
+@friendly
+def schemas_list() -> None:
+    """Registered subjects and their versions."""
+    registry = _registry(settings())
+    asyncio.run(registry.load())
+    table = Table(show_header=True, header_style="bold")
+    for column in ("subject", "version", "fingerprint"):
+        table.add_column(column)
+    for subject in registry.versions.subjects():
+        for version in registry.versions.versions(subject):
+            table.add_row(subject, str(version.version), f"{version.schema.fingerprint:016x}")
+    console.print(table)
+
+
+@schemas_app.command("register")
+@friendly
+def schemas_register(
+    path: Annotated[Path, typer.Argument(help="An .avsc file; named types it uses are read from its folder.")],
+) -> None:
+    """Register a new version of a record schema; refused, with the reasons, if it breaks compatibility."""
+    from fastavro.schema import SchemaParseException
+
+    from topics.schemas import AvroSchema
+
+    try:
+        schema = AvroSchema.from_file(path)
+    except (OSError, ValueError, SchemaParseException) as exc:
+        raise UserError(f"cannot read an Avro schema from {path}: {exc}") from None
+    registered = asyncio.run(_registry(settings()).register([schema]))
+    if registered:
+        console.print(f"registered {schema.name} version {registered[0].version} ({schema.fingerprint:016x})")
+    else:
+        console.print(f"{schema.name} ({schema.fingerprint:016x}) was already registered")
+
+
+node_types_app = typer.Typer(
+    help="State-graph node types: a JSON Schema per type, on the _<prefix>.node_types topic.", no_args_is_help=True
+)
+app.add_typer(node_types_app, name="node-types")
+
+
+@node_types_app.command("register")
+@friendly
+def node_types_register(
+    node_type: Annotated[str, typer.Argument(help="The node type, as deltas name it (e.g. memory).")],
+    path: Annotated[Path, typer.Argument(help="A JSON Schema file for the node's data.")],
+) -> None:
+    """Register a new version of a node type; a change that would invalidate existing nodes is refused, with a diff."""
+    from jsonschema.exceptions import SchemaError
+
+    from topics.node_types import IncompatibleNodeTypeError
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read a JSON Schema from {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"{path} holds a JSON {type(schema).__name__}, not a JSON Schema object")
+    try:
+        record = asyncio.run(_node_types(settings()).register(node_type, schema))
+    except SchemaError as exc:
+        raise UserError(f"{path} is not a valid JSON Schema: {exc.message}") from None
+    except IncompatibleNodeTypeError as exc:
+        err.print(
+            f"[red]error:[/red] node type {node_type!r}: breaking change refused: {'; '.join(exc.reasons)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        err.print(exc.diff, highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if record is None:
+        console.print(f"node type {node_type} is unchanged (this schema is its latest version)")
+    else:
+        console.print(f"registered node type {node_type} version {record.version}")
+
+
+@node_types_app.command("list")
+@friendly
+def node_types_list(
+    as_json: bool = typer.Option(False, "--json", help="Print each type's latest schema as JSON."),
+) -> None:
+    """Registered node types, their latest version and the properties they declare."""
+    types = asyncio.run(_node_types(settings()).load())
+    latest = [t for name in types.types() if (t := types.latest(name)) is not None]
+    if as_json:
+        for t in latest:
+            sys.stdout.write(json.dumps({"node_type": t.node_type, "version": t.version, "schema": t.schema}) + "\n")
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in ("node type", "version", "required", "properties"):
+        table.add_column(column)
+    for t in latest:
+        required = ", ".join(t.schema.get("required", [])) or "-"
+        table.add_row(t.node_type, str(t.version), required, ", ".join(sorted(t.schema.get("properties", {}))) or "-")
+    console.print(table)
+
+
+def _node_types(s: Settings):
+    from topics.catalog import TopicCatalog
+    from topics.node_types import NodeTypeRegistry
+
+    return NodeTypeRegistry(s.kafka_bootstrap_servers, TopicCatalog(s)["node_types"].name)
+
+
+policy_app = typer.Typer(help="Reward policies (specs per reward source) on the _<prefix>.reward_policies topic.",
+                         no_args_is_help=True)  # fmt: skip
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("push")
+@friendly
+def policy_push(
+    path: Annotated[Path, typer.Argument(help="A JSON or YAML reward policy (see README: Reward weaving).")],
+    effective_from: str = typer.Option(
+        "+10s",
+        help="Event time from which new steps use it: now, +30s (from now), or an ISO time. "
+        "Ignored when the file sets effective_from_us.",
+    ),
+) -> None:
+    """Publish a reward policy version; workers pick it up within seconds, for steps dispatched after it."""
+    from datetime import UTC, datetime
+
+    from processors.steps.policy import load_policy_file
+    from processors.steps.policy_topic import PolicyTopic
+    from treadle.reports.eval_report import parse_time
+
+    policy = load_policy_file(path)
+    if policy.effective_from_us == 0:
+        now = datetime.now(UTC)
+        text = effective_from.strip()
+        if text.startswith("+"):  # a duration from now, into the future
+            moment = now + (now - parse_time(text[1:], "--effective-from", now))
+        else:
+            moment = parse_time(text, "--effective-from", now)
+        policy = policy.model_copy(update={"effective_from_us": int(moment.timestamp() * 1_000_000)})
+    s = settings()
+    topic = PolicyTopic(s.kafka_bootstrap_servers, _catalog(s)["reward_policies"].name)
+    if asyncio.run(topic.push(policy)):
+        console.print(f"pushed reward policy {policy.version}, effective from {_micros_iso(policy.effective_from_us)}")
+    else:
+        console.print(f"reward policy {policy.version} was already pushed with this content")
+
+
+@policy_app.command("list")
+@friendly
+def policy_list(as_json: bool = typer.Option(False, "--json", help="Print the policies as JSON.")) -> None:
+    """Every pushed reward policy version, oldest first."""
+    from processors.steps.policy_topic import PolicyTopic
+
+    s = settings()
+    policies = asyncio.run(PolicyTopic(s.kafka_bootstrap_servers, _catalog(s)["reward_policies"].name).load())
+    policies.sort(key=lambda p: (p.effective_from_us, p.version))
+    if as_json:
+        console.print_json(json.dumps([p.model_dump(mode="json") for p in policies]))
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in ("version", "effective from", "specs", "required", "fusion rules"):
+        table.add_column(column)
+    for p in policies:
+        required = ", ".join(spec.key for spec in p.required) or "-"
+        rules = str(len(p.fusion.rules))
+        table.add_row(p.version, _micros_iso(p.effective_from_us), str(len(p.specs)), required, rules)
+    console.print(table)
+
+
+def _micros_iso(micros: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(micros / 1_000_000, UTC).isoformat(timespec="seconds")
+
+
+def _catalog(s: Settings):
+    from topics.catalog import TopicCatalog
+
+    return TopicCatalog(s)
+
+
+def _registry(s: Settings):
+    from topics.catalog import TopicCatalog
+    from topics.registry import SchemaRegistry
+
+    return SchemaRegistry(s.kafka_bootstrap_servers, TopicCatalog(s)["schemas"].name)
+
+
+@app.command()
+@friendly
+def demo(
+    sessions: int = typer.Option(20, help="Simulated agent sessions."),
+    steps: int = typer.Option(10, help="Steps per session."),
+    seed: int = typer.Option(7, help="Random seed."),
+    timeout: float = typer.Option(120.0, help="Seconds to wait for the replay table to fill."),
+) -> None:
+    """Run simulated agents and reward sources through the whole pipeline, then show replay rows."""
+    from treadle.demo import run_demo
+
+    run_demo(settings(), sessions=sessions, steps=steps, seed=seed, timeout=timeout, console=console)
+
+
+@app.command("eval")
+@friendly
+def eval_report(
+    since: str | None = typer.Option(None, help="Start (inclusive): ISO time, or a duration ago like 24h, 7d."),
+    until: str | None = typer.Option(None, help="End (exclusive): ISO time, or a duration ago; default now."),
+    policy_version: Annotated[
+        list[str] | None, typer.Option("--policy-version", help="Only this policy version (repeatable).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the PNG charts (default: TREADLE_HOME/eval).")] = None,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+) -> None:
+    """Evaluation report: tool success and latency, episode return/success/cost, safety, preference win rate."""
+    from functools import partial
+
+    from sinks.sql_client import run_sql
+    from treadle.reports.eval_charts import write_charts
+    from treadle.reports.eval_report import ReportError, build_report, filters_from_options, render
+
+    s = settings()
+    try:
+        report = build_report(partial(run_sql, s), filters_from_options(since, until, policy_version or []))
+    except ReportError as exc:
+        raise UserError(str(exc)) from None
+    report.charts = [str(path) for path in write_charts(report, out or s.home / "eval")]
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_json(), default=str) + "\n")
+    else:
+        render(report, console)
+
+
+@app.command()
+@friendly
+def state(
+    session: str = typer.Argument(..., help="Session id."),
+    at: str = typer.Option(None, "--at", help="Version id, ordinal, or ISO time (default: now)."),
+    diff: str = typer.Option(None, "--diff", help="Show what changed between two versions: V1..V2."),
+    as_json: bool = typer.Option(False, "--json", help="Print the graph (or diff) as JSON."),
+) -> None:
+    """Show a session's state graph at a version or time, or the diff between two versions."""
+    from treadle.reports.state_view import run_state_command
+    from treadle.state.history import StateNotFoundError
+
+    try:
+        run_state_command(settings(), session, at, diff, as_json, console)
+    except (ValueError, StateNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()
