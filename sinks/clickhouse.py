@@ -303,11 +303,6 @@ class ClickHouseStore:
         checked = check_read_only(sql)
         return await self.call(lambda _writer: self._read_only().query(checked))
 
-    async def read_only_query_arrow(self, sql: str) -> pa.Table:
-        """read_only_query with the result as an Arrow table (LowCardinality columns stay dictionaries)."""
-        checked = check_read_only(sql)
-        return await self.call(lambda _writer: self._read_only().query_arrow(checked))
-
     async def read_only_queries_arrow(self, statements: Sequence[str]) -> list[pa.Table]:
         """Several read-only statements as Arrow tables, run two at a time (one state_at's nodes and edges)."""
         return [arrow_table(stream) for stream in await self.read_only_queries_arrow_streams(statements)]

@@ -32,10 +32,6 @@ class TopicSpec:
     config: dict[str, str] = field(default_factory=dict)
     doc: str = ""
 
-    @property
-    def co_partitioned(self) -> bool:
-        return self.role is not TopicRole.INTERNAL
-
 
 _WEEK_MS = str(7 * 24 * 3600 * 1000)
 _DELETE = {"cleanup.policy": "delete", "retention.ms": _WEEK_MS}
@@ -95,11 +91,6 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         "Schema registry: fingerprint -> {subject, version, schema}.",
     ),
 ]
-
-
-def _topic_name(prefix: str, kind: str, role: TopicRole) -> str:
-    """Internal topics start with an underscore, as Kafka's own do."""
-    return f"_{prefix}.{kind}" if role is TopicRole.INTERNAL else f"{prefix}.{kind}"
 
 
 class TopicCatalog:

@@ -67,9 +67,6 @@ class AvroSchema:
     def doc(self) -> str:
         return str(self.json.get("doc", ""))
 
-    def to_text(self) -> str:
-        return json.dumps(self.json, sort_keys=True)
-
 
 class SchemaSet:
     """Schemas by full name and by fingerprint."""

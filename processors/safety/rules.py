@@ -183,7 +183,9 @@ PII_RULES: tuple[Rule, ...] = (
         "credit_card",
         Category.PII,
         Severity.HIGH,
-        re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])"),
+        # Not inside a word or a dash-joined id: the digits of a UUID's groups (`…de30-9694-1179-0298eb…`) or of another
+        # hex id can pass Luhn, and ids in tool outputs would inflate the PII-leak rate.
+        re.compile(r"(?<![\w-])\d(?:[ -]?\d){12,18}(?![\w-])"),
         redact_card,
         validator=_card_number,
         doc="A payment card number: 13-19 digits, a card-network prefix, Luhn-valid.",

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -342,14 +342,6 @@ class FusedReward:
     status: str
     weights: dict[str, float]
     fused: Fused | None = None
-
-
-class Fuser(Protocol):
-    name: str
-
-    def fuse(self, components: list[dict[str, Any]]) -> FusedReward | None:
-        """None when there is nothing to fuse yet."""
-        ...
 
 
 class ConfidenceWeightedMean:

@@ -24,28 +24,15 @@ from streams.runtime.metrics import WorkerMetrics
 from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
 from streams.sdk.batching import key_hash
-from topics.catalog import TopicCatalog
+from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
-from topics.names import DEAD_LETTER
+from topics.names import DEAD_LETTER, REWARD
 from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
 
 log = logging.getLogger(__name__)
-
-OUTPUT_TOPICS = {
-    "treadle.derived.Transition": "transitions",
-    "treadle.derived.WovenReward": "woven_rewards",
-    DEAD_LETTER: "dead_letters",
-    "treadle.derived.StateVersion": "state_versions",
-    "treadle.derived.ResourceSample": "resource_samples",
-    "treadle.derived.LateReward": "late_rewards",
-    # Reward sources and credit assignment are processors whose output is input: a RewardSignal they
-    # publish goes to the rewards topic and is woven into its step like any other reward.
-    "treadle.events.RewardSignal": "rewards",
-    "treadle.derived.EvaluationMetric": "evaluation_metrics",
-}
 
 
 KEY_HASH_CACHE = 100_000  # session keys whose murmur2 is remembered
@@ -202,7 +189,10 @@ def build_pipeline(
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
         processor.setup(app, settings)
-    outputs = {schema: catalog[kind].name for schema, kind in OUTPUT_TOPICS.items()}
+    # Every output topic's schema, and the rewards topic: reward sources and credit assignment are processors whose
+    # output is input (a RewardSignal they publish is woven into its step like any other reward).
+    outputs = {spec.value_schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) if spec.value_schema}
+    outputs[REWARD] = catalog.for_schema(REWARD).name
     pipeline = Pipeline(
         app=app,
         settings=settings,

@@ -240,13 +240,3 @@ def failure(message: str, log: Path, start: int = 0, extra: tuple[Path, int] | N
     if extra is not None and (more := tail(extra[0], start=extra[1])):
         parts.append(f"--- last lines of {extra[0]} ---\n{more}")
     return StackError("\n".join(parts))
-
-
-def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if check():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

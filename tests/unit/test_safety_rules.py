@@ -231,3 +231,21 @@ def test_evidence_never_contains_the_raw_match(secret: str, before: str, after: 
         assert secret not in finding.summary
         for match in finding.rule.matches(before + secret + after):
             assert match not in finding.evidence
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "created 100fa1da-de30-9694-1179-0298ebc354de",  # its groups' digits 30-9694-1179-0298 pass Luhn
+        "trace 0298ebc354de30969411790298ebc354de",
+        "ids: 5fa1-4111-1111-1111-1111",
+    ],
+)
+def test_a_card_number_is_not_read_across_the_groups_of_an_id(text: str) -> None:
+    assert scan([text], TOOL) == [], text
+
+
+@given(st.uuids(), st.sampled_from(["", " ", "id=", "(", "/"]))
+def test_no_uuid_is_a_card_number(uuid: Any, prefix: str) -> None:
+    text = f"{prefix}{uuid}"
+    assert not any(f.rule == "credit_card" for f in scan([text], TOOL)), text
