@@ -57,7 +57,8 @@ def configuration_markdown() -> str:
     rows = []
     for name, field in Settings.model_fields.items():
         var = env_var(name)
-        rows.append(f"| `{var}` | {_default(field.default)} | {_meaning(var, field.description)} |")
+        default = field.default_factory() if field.default_factory is not None else field.default
+        rows.append(f"| `{var}` | {_default(default)} | {_meaning(var, field.description)} |")
     rows.append(f"| `{native_codec.ENV}` | `1` | {native_codec.ENV_DOC} |")
     return _INTRO + "\n".join(rows) + "\n"
 
