@@ -1,4 +1,4 @@
-"""The README's example processor plugin, plus broken variants; test_plugins loads them through entry points."""
+"""docs/plugins.md's example processor plugin, plus broken variants; test_plugins loads them through entry points."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Configuration from the environment, with documented defaults.
 
-Every knob lives here so the README table and the code cannot drift apart: each field's
-description is the documentation, and `Settings.from_env()` is the only reader of os.environ.
+Every knob lives here so the configuration page and the code cannot drift apart: each field's
+description is the documentation (`configuration_markdown()` renders the page from it), and
+`Settings.from_env()` is the only reader of os.environ.
 """
 
 from __future__ import annotations
@@ -36,10 +37,7 @@ class Settings(BaseModel):
 
     home: Path = Field(
         default_factory=lambda: Path.cwd() / ".treadle",
-        description=(
-            "TREADLE_HOME: folder for local Kafka data, chDB data, Valkey data, logs and caches; "
-            "default: .treadle in the current directory."
-        ),
+        description="TREADLE_HOME: folder for local Kafka data, chDB data, Valkey data, logs and caches.",
     )
     kafka_bootstrap_servers: str = Field(
         default="127.0.0.1:19092",
@@ -79,7 +77,9 @@ class Settings(BaseModel):
     )
     app_id: str = Field(default="treadle", description="TREADLE_APP_ID: Faust app id (consumer group, table names).")
     web_port: int = Field(
-        default=16066, description="TREADLE_WEB_PORT: worker HTTP port (/metrics for Prometheus, Faust pages)."
+        default=16066,
+        description="TREADLE_WEB_PORT: worker HTTP port: /metrics for Prometheus (the sink child's metrics included) "
+        "and Faust's pages.",
     )
     bind_host: str = Field(
         default="127.0.0.1",
@@ -88,7 +88,8 @@ class Settings(BaseModel):
     )
     gpu_sample_seconds: float = Field(
         default=10.0,
-        description="TREADLE_GPU_SAMPLE_SECONDS: GPU telemetry period (NVML metrics and resource events); 0 = off.",
+        description="TREADLE_GPU_SAMPLE_SECONDS: GPU telemetry period (NVML metrics and resource_samples events); "
+        "0 turns it off.",
     )
     processors: tuple[str, ...] = Field(
         default=("steps",),
@@ -127,7 +128,7 @@ class Settings(BaseModel):
     output_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
         default="zstd",
         description="TREADLE_OUTPUT_COMPRESSION: compression of the record batches a worker produces (outputs and "
-        "table changelogs); none, gzip, snappy, lz4 or zstd.",
+        "table changelogs): none, gzip, snappy, lz4 or zstd (zstd needs Kafka clients 2.1+ to consume).",
     )
     reward_policy: Path | None = Field(
         default=None,
@@ -153,9 +154,14 @@ class Settings(BaseModel):
         "off = processors only (run `treadle sink` yourself).",
     )
     sql_port: int = Field(
-        default=16067, description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves /metrics."
+        default=16067,
+        description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves its own /metrics.",
     )
-    sink_batch_size: int = Field(default=5000, description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert.")
+    sink_batch_size: int = Field(
+        default=5000,
+        description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert: a table's batch is inserted as soon as it "
+        "holds this many (the sink fetches 64 KiB or 100 ms of records at a time).",
+    )
     sink_flush_seconds: float = Field(
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
     )
@@ -169,7 +175,7 @@ class Settings(BaseModel):
         ge=0.0,
         le=1.0,
         description="TREADLE_CREDIT_GAMMA: discount of the discounted credit rule (step t of T gets "
-        "gamma**(T-1-t) * R); a reward's gamma attribute overrides it.",
+        "gamma**(T-1-t) * R), in [0, 1]; a reward's gamma attribute overrides it.",
     )
     safety_judge_values: str = Field(
         default="-1,0,1",
@@ -182,7 +188,9 @@ class Settings(BaseModel):
         "llm_judge is in TREADLE_PROCESSORS.",
     )
     llm_judge_timeout_s: float = Field(
-        default=10.0, gt=0, description="TREADLE_LLM_JUDGE_TIMEOUT_S: timeout of one llm_judge HTTP call."
+        default=10.0,
+        gt=0,
+        description="TREADLE_LLM_JUDGE_TIMEOUT_S: timeout of one llm_judge HTTP call (3 attempts per step).",
     )
     llm_judge_concurrency: int = Field(
         default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
@@ -200,7 +208,9 @@ class Settings(BaseModel):
         default=1_000, description="TREADLE_STATE_MAX_BUFFER: most events a session's state reorder buffer holds."
     )
     state_max_nodes: int = Field(
-        default=1_000_000, description="TREADLE_STATE_MAX_NODES: most live nodes per session; more is refused."
+        default=1_000_000,
+        description="TREADLE_STATE_MAX_NODES: most live nodes per session; a delta that adds more goes to dead "
+        "letters.",
     )
     state_history: int = Field(
         default=256, description="TREADLE_STATE_HISTORY: versions per session that rollback_to can reach."
@@ -228,7 +238,7 @@ class Settings(BaseModel):
         description="TREADLE_GC_THRESHOLDS: gc.set_threshold of the worker and sink processes, comma-separated; "
         "the first is above what one input batch allocates, so its short-lived objects die before a young "
         "collection walks them, and full collections, which walk every parsed step and free next to nothing, "
-        "are rare (streams/runtime/garbage_collection.py).",
+        "come ~300x less often than with CPython's default (700,10,10).",
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -389,7 +389,7 @@ app.add_typer(policy_app, name="policy")
 @policy_app.command("push")
 @friendly
 def policy_push(
-    path: Annotated[Path, typer.Argument(help="A JSON or YAML reward policy (see README: Reward weaving).")],
+    path: Annotated[Path, typer.Argument(help="A JSON or YAML reward policy (see docs/reward-weaving.md).")],
     effective_from: str = typer.Option(
         "+10s",
         help="Event time from which new steps use it: now, +30s (from now), or an ISO time. "

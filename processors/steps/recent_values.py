@@ -3,7 +3,7 @@
 A spec's `rolling_count` belongs to its policy version, and versions may differ: a step imputes the mean of the last
 `rolling_count` values of its own spec, so each source keeps as many values as the largest count asked for so far
 (a later version that asks for more grows it, from then on). The values are this worker's, in the order it folded
-them: not replay-exact (README "Reward weaving").
+them: not replay-exact (docs/reward-weaving.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Still read, never written: the JSON of earlier versions (it starts with `{`).
 Why not JSON: it was ~2.7 KB a step, and orjson took 16-20 us to write one here, the largest single cost of writing
 changed steps out. This is ~1.5 KB, written in 7-8 us with the native codec (topics/native_codec.py); reading one
 costs about what orjson did (~19 us against ~16 with the garbage collector off), and a worker writes far more
-steps than it reads (README "Native codec").
+steps than it reads (docs/native-codec.md).
 """
 
 from __future__ import annotations

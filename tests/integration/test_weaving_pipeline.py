@@ -1,6 +1,6 @@
 """Reward weaving end to end (real broker, worker, chDB) against an oracle of the documented semantics.
 
-The oracle below is written from README "Reward weaving", not from the worker's code: for each step, the
+The oracle below is written from docs/reward-weaving.md, not from the worker's code: for each step, the
 rewards in time (event_time <= dispatch + window + grace of their source), the late ones, the required
 sources missing, the imputed values, the fused value (weight x confidence weighted mean), the status and
 the revisions; rewards of steps never dispatched are orphans. It is compared with transitions_latest,

@@ -1,4 +1,4 @@
-"""The README's "Attach a new reward source" example, run as written: a plugin that publishes valid signals."""
+"""docs/plugins.md's "Attach a new reward source" example, run as written: a plugin that publishes valid signals."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ REWARD, RESULT = "treadle.events.RewardSignal", "treadle.events.ToolResult"
 
 @pytest.fixture
 def my_source(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    readme = (REPO_ROOT / "README.md").read_text()
-    [code] = re.findall(r"```python\n(# my_source/__init__\.py\n.*?)```", readme, flags=re.DOTALL)
+    page = (REPO_ROOT / "docs" / "plugins.md").read_text()
+    [code] = re.findall(r"```python\n(# my_source/__init__\.py\n.*?)```", page, flags=re.DOTALL)
     module = types.ModuleType("my_source")
-    exec(compile(code, "README.md:my_source", "exec"), module.__dict__)
+    exec(compile(code, "docs/plugins.md:my_source", "exec"), module.__dict__)
     monkeypatch.setitem(sys.modules, "my_source", module)
-    readme_toml = re.search(r'fast_tools = "(my_source:FastTools)"', readme)
-    assert readme_toml is not None, "the README's entry point"
+    entry_point = re.search(r'fast_tools = "(my_source:FastTools)"', page)
+    assert entry_point is not None, "the page's entry point"
     return module
 
 
-async def test_the_readme_reward_source_is_a_plugin_that_publishes_valid_signals(my_source) -> None:
+async def test_the_documented_reward_source_is_a_plugin_that_publishes_valid_signals(my_source) -> None:
     plugins = registry(entry("fast_tools", "my_source:FastTools"))
     [source] = plugins.create(["fast_tools"])
     [info] = plugins.describe()[0]

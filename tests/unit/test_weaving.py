@@ -328,13 +328,12 @@ def test_policy_files_explain_their_mistakes() -> None:
         parse_policy('{"specs": [{"source": "judge"}, {"source": "judge"}]}', "p.json")
 
 
-def test_the_readme_policy_example_is_a_valid_policy() -> None:
+def test_the_documented_policy_example_is_a_valid_policy() -> None:
     from tests.paths import REPO_ROOT
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split("## Reward weaving", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
-    text = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
-    policy = parse_policy(text, "README.md")
+    page = (REPO_ROOT / "docs" / "reward-weaving.md").read_text()
+    text = page.split("## Reward policy", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    policy = parse_policy(text, "docs/reward-weaving.md")
     assert policy.version == "prod-3" and [s.key for s in policy.required] == ["llm_judge/*", "human/*"]
     assert [r.name for r in policy.fusion.rules] == ["compliance-veto", "clamp"]
 
