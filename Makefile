@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 CARGO ?= $(shell command -v cargo 2>/dev/null || ls $(HOME)/.cargo/bin/cargo 2>/dev/null)
 NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 
-.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-weaving up down clean
+.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-smoke bench-weaving up down clean
 
 install: $(VENV)/.installed $(VENV)/.native
 
@@ -57,6 +57,13 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# Every bench and section with small N (CI runs it): each must run to the end and its row checks hold; no timings
+# are asserted.
+bench-smoke: install
+	$(BIN)/python -m bench.run --quick --strict
+	$(BIN)/python -m bench.weaving_bench --quick --only throughput --only latency --duration 10
+	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
 
 # Issue #3: reward weaving throughput on one core, latency at 5,000 events/s, a 10-minute RSS soak (~15 min).
 bench-weaving: install

@@ -45,6 +45,7 @@ class Measurement:
     complete: bool = True
     notes: list[str] = field(default_factory=list)
     samples: list[float] = field(default_factory=list)  # elapsed of every repeat, when repeated
+    failed_checks: list[str] = field(default_factory=list)  # row checks that did not hold (wrong output, not slow)
 
     @property
     def rate(self) -> float:

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in <home>/worker/worker.json like `treadle worker` does)",
     )
     parser.add_argument("--json", type=Path, help="also write the measurements as JSON here")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a measurement is incomplete or a row check fails (smoke)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary TREADLE_HOME (logs, data)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -199,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[dim]whole run {time.perf_counter() - started:.0f}s[/]")
     if args.json:
         args.json.write_text(json.dumps([m.to_json() for m in results], indent=2))
+    wrong = [m.name for m in results if not m.complete or m.failed_checks]
+    if args.strict and wrong:
+        console.print(f"[red]incomplete or wrong rows: {', '.join(wrong)}[/]")
+        return 1
     return 1 if errors else 0
 
 

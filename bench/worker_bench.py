@@ -437,6 +437,8 @@ def worker_section(
         elapsed,
         notes,
     )
+    if watch.over_revision or watch.repeats:
+        measured.failed_checks.append(f"{watch.over_revision} above the final revision, {watch.repeats} repeated")
     results = [measured]
     backlog = settings.model_copy(
         update={
@@ -445,8 +447,8 @@ def worker_section(
             "home": settings.home.with_name(f"{settings.home.name}-backlog"),
         }
     )
-    results.append(_backlog_run(backlog, steps, [(rename(t, settings, backlog), k, v) for t, k, v in encoded], pin,
-                                timeout, worker_argv))  # fmt: skip
+    renamed = [record._replace(topic=rename(record.topic, settings, backlog)) for record in encoded]
+    results.append(_backlog_run(backlog, steps, renamed, pin, timeout, worker_argv))
     if clickhouse and watch.done_s is not None:
         results.append(
             Measurement(

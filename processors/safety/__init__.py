@@ -1,0 +1,1 @@
+"""Safety: PII, leaked secrets and destructive commands, as evaluation metrics and as a reward source."""
