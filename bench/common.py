@@ -118,6 +118,31 @@ def local_stack(settings: Settings) -> Iterator[float]:
         stack.down()
 
 
+def machine_facts() -> str:
+    """What moves the numbers, printed first by every bench: CPU, load, Python, the codec, library versions."""
+    import platform
+    from importlib import metadata
+
+    from topics import native_codec
+
+    cpu = "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    versions = []
+    for dist in ("faust-streaming", "aiokafka", "fastavro", "chdb", "clickhouse-connect", "rocksdict"):
+        try:
+            versions.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{dist} missing")
+    return (
+        f"machine: {cpu}, {os.cpu_count()} cores, load avg {loadavg()}; {platform.python_implementation()} "
+        f"{platform.python_version()}; codec: {native_codec.describe()}; {', '.join(versions)}"
+    )
+
+
 def loadavg() -> str:
     """The 1, 5 and 15-minute load averages, to print beside a result (other work on the machine skews it)."""
     try:

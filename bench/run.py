@@ -33,6 +33,7 @@ from bench.common import (
     bench_settings,
     keep_off_worker_core,
     local_stack,
+    machine_facts,
     run_module,
     taskset_available,
 )
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         f"[bold]treadle bench[/] {run_id}: {platform.python_implementation()} {platform.python_version()}, "
         f"{os.cpu_count()} cores, load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; home {home}"
     )
+    console.print(machine_facts(), markup=False)
     if load[0] > 0.5:
         console.print("[yellow]the machine is busy (load avg > 0.5): numbers will be lower and noisier[/]")
     if pin:

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from bench.common import machine_facts
 from processors.state.graph import FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.sql_client import arrow_queries, run_sql, run_sql_arrow
@@ -465,6 +466,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=5_000, help="rows per ClickHouse insert, as the sink (5,000)")
     parser.add_argument("--skip-worker", action="store_true", help="only the in-process sections (no Kafka)")
     args = parser.parse_args()
+    print(machine_facts())
     if not args.skip_worker:
         print("1. worker (own local stack, TREADLE_SINK=off, not pinned):")
         for line in bench_worker(args.steps, args.sessions, 4, 300.0):

@@ -32,6 +32,7 @@ from bench.common import (
     keep_off_worker_core,
     loadavg,
     local_stack,
+    machine_facts,
     taskset_available,
     tuned_by_environment,
 )
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         f"[bold]treadle weaving bench[/] {run_id}: {os.cpu_count()} cores, loadavg {loadavg()}; home {home}; "
         + (f"worker pinned to core {WORKER_CORE} with taskset, the bench and Kafka off it" if pin else "no pinning")
     )
+    console.print(machine_facts(), markup=False)
     failed = False
     started = time.perf_counter()
     try:
