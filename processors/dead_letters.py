@@ -6,6 +6,8 @@ from typing import Any
 
 from topics.codec import DeadLetterStage
 
+MAX_REASON_CHARS = 2_000  # a reason quotes an exception, which may quote the hostile input itself
+
 
 def dead_letter(
     stage: DeadLetterStage,
@@ -25,7 +27,7 @@ def dead_letter(
     return {
         "dead_letter_id": f"{topic}/{partition}/{offset}",
         "stage": str(stage),
-        "reason": reason,
+        "reason": reason if len(reason) <= MAX_REASON_CHARS else f"{reason[:MAX_REASON_CHARS]}… (cut)",
         "topic": topic,
         "partition": partition,
         "offset": offset,
@@ -35,4 +37,5 @@ def dead_letter(
         "session_id": env.get("session_id") or (key.decode("utf-8", "replace") if key else None),
         "schema_name": schema_name,
         "failed_at": timestamp_ms * 1000,
+        "value_truncated_bytes": 0,  # processors/output_size.py cuts value if the record would not fit
     }

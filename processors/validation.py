@@ -10,7 +10,10 @@ from typing import Any
 
 from processors.step_assembler import DISPATCH, RESULT, REWARD
 from topics.event_checks import event_time_problem, latency_problem, reward_problem
+from topics.json_budget import json_depth_problem
 from topics.tool_schemas import ToolSchemas
+
+STATE_DELTA = "treadle.events.StateDelta"
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
 
@@ -47,4 +50,17 @@ class InputValidator:
             return latency_problem(record["latency_ms"])
         if schema_name == REWARD:
             return reward_problem(record["value"], record["confidence"])
+        if schema_name == STATE_DELTA:
+            return _state_delta_problem(record)
         return None
+
+
+def _state_delta_problem(record: dict[str, Any]) -> str | None:
+    """A node or edge whose data_json nests too deep for the state processor to parse."""
+    for i, node in enumerate(record["node_upserts"]):
+        if (problem := json_depth_problem(f"node_upserts[{i}].data_json", node["data_json"])) is not None:
+            return problem
+    for i, edge in enumerate(record["edge_upserts"]):
+        if (problem := json_depth_problem(f"edge_upserts[{i}].data_json", edge["data_json"])) is not None:
+            return problem
+    return None

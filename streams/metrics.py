@@ -197,6 +197,18 @@ class WorkerMetrics:
         self.producer_errors = Counter(
             "treadle_producer_errors", "Records the producer could not deliver, by topic.", ["topic"], registry=r
         )
+        self.isolated_failures = Counter(
+            "treadle_isolated_failures",
+            "Input records whose processing raised and cost only themselves (a PROCESS dead letter), by processor.",
+            ["processor"],
+            registry=r,
+        )
+        self.outputs_truncated = Counter(
+            "treadle_outputs_truncated",
+            "Derived records cut to fit TREADLE_MAX_EVENT_BYTES (the cut is recorded in the record), by type.",
+            ["type"],
+            registry=r,
+        )
         self.rocksdb_memory = RocksDBMemoryGauge(r)
         self.gc_pauses = CollectorPauses("treadle_gc_seconds", r)
 

@@ -62,6 +62,7 @@ __all__ = [
     "AgentStreamSync",
     "Annotator",
     "Edge",
+    "EventTooLargeError",
     "FailedEvent",
     "InvalidParamsError",
     "LifecycleKind",
@@ -157,6 +158,10 @@ def _member(kind: type[E], by_value: dict[str, E], given: Any) -> E:
 
 class StreamError(Exception):
     """The stream cannot do what was asked (not started, closed, topics missing)."""
+
+
+class EventTooLargeError(ValueError):
+    """An event larger than TREADLE_MAX_EVENT_BYTES encoded; nothing was sent (the worker would dead-letter it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +335,7 @@ class _Emitter:
         delivery_timeout_s: float,
     ) -> None:
         self.settings = settings or Settings.from_env()
+        self._max_event_bytes = self.settings.max_event_bytes
         self.delivery_timeout_s = delivery_timeout_s
         self.agent_id = agent_id
         self.policy_version = policy_version
@@ -518,9 +524,16 @@ class _Emitter:
     def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
         """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
         try:
-            return self._codec.encode(schema, record)
+            value = self._codec.encode(schema, record)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
+        if len(value) > self._max_event_bytes:
+            raise EventTooLargeError(
+                f"{schema.rsplit('.', 1)[-1]} is {len(value):,} bytes encoded, above the "
+                f"{self._max_event_bytes:,}-byte limit (TREADLE_MAX_EVENT_BYTES); nothing was sent: store large "
+                "payloads elsewhere and send a reference"
+            )
+        return value
 
     def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
         """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.

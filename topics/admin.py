@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from streams.settings import KAFKA_MAX_MESSAGE_BYTES
 from topics.catalog import TopicCatalog, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
         if missing:
             try:
                 await admin.create_topics(
-                    [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=s.config) for s in missing]
+                    [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=_configs(s)) for s in missing]
                 )
             except TopicAlreadyExistsError:  # another worker won the race; verified below
                 pass
@@ -87,3 +88,9 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> tup
     counts = {d["topic"]: len(d["partitions"]) for d in described}
     led = {d["topic"]: sum(1 for p in d["partitions"] if p["leader"] >= 0) for d in described}
     return counts, led
+
+
+def _configs(spec: TopicSpec) -> dict[str, str]:
+    """The spec's topic configs, with the record limit every treadle producer is set to (streams/settings.py), so a
+    cluster whose default is lower refuses nothing a worker or the SDK sends."""
+    return {"max.message.bytes": str(KAFKA_MAX_MESSAGE_BYTES), **spec.config}

@@ -36,7 +36,7 @@ from streams.local.process import (
     stop_pid,
     tail,
 )
-from streams.settings import REPO_ROOT, Settings
+from streams.settings import KAFKA_MAX_MESSAGE_BYTES, REPO_ROOT, Settings
 
 POM = REPO_ROOT / "kafka" / "pom.xml"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
@@ -249,6 +249,9 @@ class LocalKafka:
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",  # topics come from the catalog (co-partitioned)
+            # what the producers' max_request_size allows (streams/settings.py); Faust's changelogs inherit it
+            "message.max.bytes": str(KAFKA_MAX_MESSAGE_BYTES),
+            "replica.fetch.max.bytes": str(KAFKA_MAX_MESSAGE_BYTES),
             "num.network.threads": "2",
             "num.io.threads": "4",
             "num.recovery.threads.per.data.dir": "1",
