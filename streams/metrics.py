@@ -232,6 +232,13 @@ class SinkMetrics:
             "treadle_sink_batch_seconds", "Seconds per ClickHouse insert, by table.", ["table"],
             buckets=BATCH_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
+        self.rejected_rows = Counter(
+            "treadle_sink_rejected_rows",
+            "Records written to rejected_rows instead of their table (MAP: no rows could be made; INSERT: ClickHouse "
+            "refused the row), by table and stage.",
+            ["table", "stage"],
+            registry=r,
+        )
         self.consumer_lag = _consumer_lag(r)
         self.gc_pauses = CollectorPauses("treadle_sink_gc_seconds", r)
 
