@@ -239,7 +239,10 @@ def build_pipeline(
             await handle_batch(pipeline, messages)
         except Exception as exc:  # unacked, so redelivered after the restart
             log.critical("the intake failed on a batch of %d input records, stopping: %r", len(messages), exc)
-            await app.crash(exc)
+            # Not awaited here: the crash stops the consumer, which waits for this very batch to end (awaiting it
+            # inline held a stop for 60 s: `waited 30 s for 1 handed-out input batches`).
+            if pipeline._crash is None:
+                pipeline._crash = asyncio.ensure_future(app.crash(exc))
             raise
 
     app.deliver_in_batches(

@@ -5,6 +5,8 @@ It raises for the whole batch it is handed, as a careless plugin would: the work
 
 from __future__ import annotations
 
+import asyncio
+
 from processors.evaluation import EVALUATION_METRIC, metric_record
 
 MARK = "EXPLODE"
@@ -27,3 +29,14 @@ class ExplodesOnMark:
         for event in events:
             metric = metric_record(self.name, "seen", "any", 1.0, "low", event.record)
             await ctx.publish(EVALUATION_METRIC, metric, key=event.session_key)
+
+
+class HangsOnMark(ExplodesOnMark):
+    """Never returns from a batch holding a marked tool result, as a plugin stuck on a call without a timeout."""
+
+    name = "hangs"
+
+    async def process(self, events, ctx) -> None:
+        if any(MARK in event.record["output"] for event in events):
+            await asyncio.Event().wait()
+        await super().process(events, ctx)

@@ -23,13 +23,15 @@ STATE_DELTA = "treadle.events.StateDelta"
 
 
 def plugin_path(tmp_path: Path) -> Path:
-    """A folder whose dist-info declares tests.poison_plugin as the `explodes` processor (an installed plugin would
-    look the same to importlib.metadata); the worker gets it on PYTHONPATH."""
+    """A folder whose dist-info declares tests.poison_plugin's processors (`explodes`, `hangs`), as an installed plugin
+    would look to importlib.metadata; the worker gets it on PYTHONPATH."""
     site = tmp_path / "site"
     info = site / "poison_plugin-0.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: poison-plugin\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[treadle.processors]\nexplodes = tests.poison_plugin:ExplodesOnMark\n")
+    (info / "entry_points.txt").write_text(
+        "[treadle.processors]\nexplodes = tests.poison_plugin:ExplodesOnMark\nhangs = tests.poison_plugin:HangsOnMark\n"
+    )
     return site
 
 
