@@ -117,9 +117,7 @@ class Intake:
                 stage, reason = exc.stage, exc.reason
             else:
                 try:
-                    problem = self._size_problem(message.value) or self.validator.problem(
-                        schema_name, record, message.key
-                    )
+                    problem = self._size_problem(message) or self.validator.problem(schema_name, record, message.key)
                 except Exception as exc:  # a validator bug or hostile content: this record only
                     log.error("validating %s[%d]@%d raised %r", message.topic, message.partition, message.offset,
                               exc, exc_info=exc)  # fmt: skip
@@ -129,10 +127,11 @@ class Intake:
                 stage, reason = DeadLetterStage.VALIDATE, problem
         return Rejected(message.dead_letter(stage, reason, schema_name, record))
 
-    def _size_problem(self, value: bytes) -> str | None:
-        if len(value) <= self.max_event_bytes:
+    def _size_problem(self, message: SourceMessage) -> str | None:
+        size = len(message.value or b"") + len(message.key or b"")
+        if size <= self.max_event_bytes:
             return None
         return (
-            f"the event is {len(value):,} bytes, above the {self.max_event_bytes:,}-byte limit "
+            f"the event is {size:,} bytes (key and value), above the {self.max_event_bytes:,}-byte limit "
             "(TREADLE_MAX_EVENT_BYTES); the SDK refuses such events before sending them"
         )

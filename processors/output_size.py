@@ -16,7 +16,7 @@ TRANSITION = "treadle.derived.Transition"
 
 # schema -> (fields that may be cut, largest first; the long field that counts the bytes cut)
 TRUNCATABLE: dict[str, tuple[tuple[str, ...], str]] = {
-    DEAD_LETTER: (("value",), "value_truncated_bytes"),
+    DEAD_LETTER: (("value", "key"), "value_truncated_bytes"),
     TRANSITION: (("output", "params_json", "error"), "truncated_bytes"),
 }
 _SLACK = 64  # length prefixes shrink and the counter grows when fields are cut: cut a little more than the excess

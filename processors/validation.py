@@ -16,6 +16,8 @@ from topics.tool_schemas import ToolSchemas
 STATE_DELTA = "treadle.events.StateDelta"
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
+_NAMES = ("event_id", "session_id", "agent_id", "episode_id", "logical_event_id", "trace_id", "policy_version")
+MAX_NAME_CHARS = 1024  # ids and names are keys, row keys and labels: a huge one would make every output huge
 
 
 class InputValidator:
@@ -30,6 +32,12 @@ class InputValidator:
         for name in _REQUIRED_ENVELOPE:
             if not env.get(name):
                 return f"envelope.{name} is empty"
+        for name in _NAMES:
+            if len(env.get(name) or "") > MAX_NAME_CHARS:
+                return f"envelope.{name} is {len(env[name]):,} characters long; ids are limited to {MAX_NAME_CHARS:,}"
+        for name in ("tool", "source", "name"):
+            if len(record.get(name) or "") > MAX_NAME_CHARS:
+                return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
         if key is None:
             return (
                 f"the message has no key; events must be keyed by envelope.session_id ({env['session_id']!r}) so a "

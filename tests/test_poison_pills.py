@@ -10,12 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from streams.sdk import AgentStream, EventTooLargeError
 from streams.settings import Settings
 from streams.sql_client import run_sql
 from streams.worker_process import WorkerProcess
 from tests.factories import RawProducer, dispatch, envelope, result, wait_for
+from topics.admin import TopicMismatchError, ensure_topics
+from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 
@@ -163,3 +167,18 @@ async def test_the_sdk_refuses_an_event_over_the_limit_before_sending_it(deploym
         assert stream.pending == 0
         ref = await stream.dispatch("blob", {"data": "fits"})  # the stream goes on, and the failed one cost no seq
         assert ref.logical_event_id
+
+
+async def test_a_topic_taking_smaller_records_than_the_producers_send_is_refused_at_start(
+    deployment: Settings,
+) -> None:
+    catalog = TopicCatalog(deployment)
+    admin = AIOKafkaAdminClient(bootstrap_servers=deployment.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        name = catalog["transitions"].name
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": "100000"})])
+    finally:
+        await admin.close()
+    with pytest.raises(TopicMismatchError, match=rf"{name} \(100,000\); raise their max.message.bytes to 1048588"):
+        await ensure_topics(catalog, deployment.kafka_bootstrap_servers)

@@ -167,3 +167,22 @@ def test_dead_letter_reasons_are_bounded() -> None:
     letter = dead_letter("PROCESS", "r" * 100_000, topic="t", partition=0, offset=1, key=None, value=None,
                          timestamp_ms=1)  # fmt: skip
     assert len(letter["reason"]) < MAX_REASON_CHARS + 20
+
+
+def test_a_dead_letter_with_a_huge_key_still_fits() -> None:
+    from processors.dead_letters import dead_letter
+
+    letter = dead_letter(
+        "VALIDATE", "r", topic="t", partition=0, offset=1, key=b"k" * 700_000, value=b"v" * 700_000, timestamp_ms=1
+    )
+    assert len(letter["session_id"]) == 1_024  # taken from the key, bounded
+    value, dropped = fit(DEAD_LETTER, letter, CODEC.encode, 900_000, 1_040_000)
+    decoded = CODEC.decode(value)[1]
+    assert len(value) <= 900_000
+    assert dropped == 1_400_000 - len(decoded["value"]) - len(decoded["key"])
+
+
+def test_ids_longer_than_the_limit_are_refused() -> None:
+    record = dispatch("s" * 2_000, "l1", 0, 1)
+    problem = InputValidator().problem("treadle.events.ActionDispatched", record, b"s" * 2_000)
+    assert problem == "envelope.session_id is 2,000 characters long; ids are limited to 1,024"
