@@ -43,7 +43,10 @@ class _TableBatch:
         self.rows = 0
 
     def append(self, row: Mapping[str, Any], source: RowSource | None = None) -> None:
-        values = [row[name] for name in self.names]  # a row lacking a column fails here, before any column grows
+        self.append_values([row[name] for name in self.names], source)
+
+    def append_values(self, values: list[Any], source: RowSource | None = None) -> None:
+        """One row's values, in column order."""
         for column, value in zip(self.columns, values, strict=True):
             column.append(value)
         self.sources.append(source)
@@ -92,21 +95,21 @@ class ClickHouseSink:
         """Buffer the rows of one decoded record of topic kind `kind`; True when a batch is full.
 
         With its `source`, a record whose rows cannot be made becomes a rejected_rows row instead of raising."""
-        try:
-            rows = rows_for(kind, record)
-            full = False
-            for table, row in rows:
-                batch = self._batches.get(table)
-                if batch is None:
-                    batch = self._batches[table] = _TableBatch(TABLE_COLUMNS[table])
-                batch.append(row, source)
-                full |= batch.rows >= self.batch_size
-            return full
+        try:  # every row of the record is made before any is buffered: a record is written whole or rejected
+            rows = [(table, [row[name] for name in TABLE_COLUMNS[table]]) for table, row in rows_for(kind, record)]
         except Exception as exc:
             if source is None:
                 raise
             self.reject(RejectStage.MAP, kind, f"mapping the record to rows failed: {exc!r}", source)
             return False
+        full = False
+        for table, values in rows:
+            batch = self._batches.get(table)
+            if batch is None:
+                batch = self._batches[table] = _TableBatch(TABLE_COLUMNS[table])
+            batch.append_values(values, source)
+            full |= batch.rows >= self.batch_size
+        return full
 
     def reject(self, stage: RejectStage, table: str, reason: str, source: RowSource) -> None:
         """Write `source` to rejected_rows (with the next flush) instead of `table`."""

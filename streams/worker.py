@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 STOP_DEADLINE_S = 45.0  # a stop that has not ended the process by then ends it (what was not committed is replayed)
 SINK_CHECK_S = 1.0  # how often the worker checks that its sink child still runs
 SINK_RESTART_MAX_S = 30.0  # longest pause between restarts of a sink child that keeps exiting
+SINK_STABLE_S = 60.0  # a sink child that ran this long before it exited is restarted without backing off
 
 
 async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
@@ -124,14 +125,17 @@ class SinkChild:
 
     async def supervise(self) -> None:
         """Start the sink child again whenever it exits while the worker runs (it was simply gone after a crash),
-        waiting longer between restarts while it keeps exiting, up to SINK_RESTART_MAX_S."""
-        pause = SINK_CHECK_S
+        waiting longer between restarts while it keeps dying soon after each start, up to SINK_RESTART_MAX_S."""
+        pause, started = SINK_CHECK_S, time.monotonic()
         while True:
             await asyncio.sleep(SINK_CHECK_S)
             if self.proc is None or self.proc.poll() is None:
                 continue
-            log.error("the sink child (pid %d) exited with code %s; starting it again in %.0f s (its log lines are "
-                      "above; rows wait in Kafka meanwhile)", self.proc.pid, self.proc.returncode, pause)  # fmt: skip
+            lived = time.monotonic() - started
+            pause = SINK_CHECK_S if lived > SINK_STABLE_S else min(pause * 2, SINK_RESTART_MAX_S)
+            log.error("the sink child (pid %d) exited with code %s after %.0f s; starting it again in %.0f s (its log "
+                      "lines are above; rows wait in Kafka meanwhile)", self.proc.pid, self.proc.returncode, lived,
+                      pause)  # fmt: skip
             await asyncio.sleep(pause)
             started = time.monotonic()
             self.start()
@@ -139,8 +143,6 @@ class SinkChild:
                 await self.wait_ready()
             except RuntimeError as exc:
                 log.error("the restarted sink child is not serving: %s", exc)
-            # back off only while it keeps dying soon after its start
-            pause = min(pause * 2, SINK_RESTART_MAX_S) if time.monotonic() - started < 60 else SINK_CHECK_S
 
 
 def run_worker(settings: Settings, loglevel: str = "info") -> None:
