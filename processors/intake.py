@@ -117,7 +117,9 @@ class Intake:
                 stage, reason = exc.stage, exc.reason
             else:
                 try:
-                    problem = self._size_problem(message) or self.validator.problem(schema_name, record, message.key)
+                    problem = self._size_problem(message) or self.validator.problem(
+                        schema_name, record, message.key, len(message.value)
+                    )
                 except Exception as exc:  # a validator bug or hostile content: this record only
                     log.error("validating %s[%d]@%d raised %r", message.topic, message.partition, message.offset,
                               exc, exc_info=exc)  # fmt: skip

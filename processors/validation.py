@@ -24,20 +24,20 @@ class InputValidator:
     def __init__(self, tool_schemas: ToolSchemas | None = None) -> None:
         self.tool_schemas = tool_schemas or ToolSchemas()
 
-    def problem(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> str | None:
-        """Why the record is invalid, or None."""
+    def problem(
+        self, schema_name: str, record: dict[str, Any], key: bytes | None, encoded_bytes: int | None = None
+    ) -> str | None:
+        """Why the record is invalid, or None. `encoded_bytes`: its encoded size, if known (a record that small cannot
+        hold an overlong id, so those checks are skipped)."""
         env = record.get("envelope")
         if not isinstance(env, dict):
             return "record has no envelope"
         for name in _REQUIRED_ENVELOPE:
             if not env.get(name):
                 return f"envelope.{name} is empty"
-        for name in _NAMES:
-            if len(env.get(name) or "") > MAX_NAME_CHARS:
-                return f"envelope.{name} is {len(env[name]):,} characters long; ids are limited to {MAX_NAME_CHARS:,}"
-        for name in ("tool", "source", "name"):
-            if len(record.get(name) or "") > MAX_NAME_CHARS:
-                return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
+        overlong = encoded_bytes is None or encoded_bytes > MAX_NAME_CHARS  # else no id can be that long
+        if overlong and (problem := _overlong_name(env, record)) is not None:
+            return problem
         if key is None:
             return (
                 f"the message has no key; events must be keyed by envelope.session_id ({env['session_id']!r}) so a "
@@ -61,6 +61,16 @@ class InputValidator:
         if schema_name == STATE_DELTA:
             return _state_delta_problem(record)
         return None
+
+
+def _overlong_name(env: dict[str, Any], record: dict[str, Any]) -> str | None:
+    for name in _NAMES:
+        if len(env.get(name) or "") > MAX_NAME_CHARS:
+            return f"envelope.{name} is {len(env[name]):,} characters long; ids are limited to {MAX_NAME_CHARS:,}"
+    for name in ("tool", "source", "name"):
+        if len(record.get(name) or "") > MAX_NAME_CHARS:
+            return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
+    return None
 
 
 def _state_delta_problem(record: dict[str, Any]) -> str | None:

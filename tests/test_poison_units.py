@@ -87,7 +87,7 @@ def test_intake_dead_letters_deep_params_and_oversize_events_and_never_raises() 
 
 def test_intake_turns_a_validator_crash_into_a_dead_letter() -> None:
     class Exploding(InputValidator):
-        def problem(self, schema_name, record, key):  # type: ignore[no-untyped-def]
+        def problem(self, schema_name, record, key, encoded_bytes=None):  # type: ignore[no-untyped-def]
             raise RecursionError("maximum recursion depth exceeded")
 
     read = Intake(CODEC, CATALOG, Exploding()).read(
