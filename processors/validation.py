@@ -9,15 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from processors.step_assembler import DISPATCH, RESULT, REWARD
-from topics.event_checks import event_time_problem, latency_problem, reward_problem
+from topics.event_checks import (
+    MAX_NAME_CHARS,
+    event_time_problem,
+    latency_problem,
+    overlong_name_problem,
+    reward_problem,
+)
 from topics.json_budget import json_depth_problem
 from topics.tool_schemas import ToolSchemas
 
 STATE_DELTA = "treadle.events.StateDelta"
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
-_NAMES = ("event_id", "session_id", "agent_id", "episode_id", "logical_event_id", "trace_id", "policy_version")
-MAX_NAME_CHARS = 1024  # ids and names are keys, row keys and labels: a huge one would make every output huge
 
 
 class InputValidator:
@@ -36,7 +40,7 @@ class InputValidator:
             if not env.get(name):
                 return f"envelope.{name} is empty"
         overlong = encoded_bytes is None or encoded_bytes > MAX_NAME_CHARS  # else no id can be that long
-        if overlong and (problem := _overlong_name(env, record)) is not None:
+        if overlong and (problem := overlong_name_problem(record)) is not None:
             return problem
         if key is None:
             return (
@@ -61,16 +65,6 @@ class InputValidator:
         if schema_name == STATE_DELTA:
             return _state_delta_problem(record)
         return None
-
-
-def _overlong_name(env: dict[str, Any], record: dict[str, Any]) -> str | None:
-    for name in _NAMES:
-        if len(env.get(name) or "") > MAX_NAME_CHARS:
-            return f"envelope.{name} is {len(env[name]):,} characters long; ids are limited to {MAX_NAME_CHARS:,}"
-    for name in ("tool", "source", "name"):
-        if len(record.get(name) or "") > MAX_NAME_CHARS:
-            return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
-    return None
 
 
 def _state_delta_problem(record: dict[str, Any]) -> str | None:

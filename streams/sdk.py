@@ -53,7 +53,13 @@ from streams.settings import Settings
 from streams.state_model import StateGraph
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
-from topics.event_checks import event_time_problem, latency_problem, reward_problem
+from topics.event_checks import (
+    MAX_NAME_CHARS,
+    event_time_problem,
+    latency_problem,
+    overlong_name_problem,
+    reward_problem,
+)
 from topics.ids import now_micros, uuid7
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
 
@@ -527,6 +533,8 @@ class _Emitter:
             value = self._codec.encode(schema, record)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
+        if len(value) > MAX_NAME_CHARS and (problem := overlong_name_problem(record)) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
         if len(value) > self._max_event_bytes:
             raise EventTooLargeError(
                 f"{schema.rsplit('.', 1)[-1]} is {len(value):,} bytes encoded, above the "

@@ -186,3 +186,13 @@ def test_ids_longer_than_the_limit_are_refused() -> None:
     record = dispatch("s" * 2_000, "l1", 0, 1)
     problem = InputValidator().problem("treadle.events.ActionDispatched", record, b"s" * 2_000)
     assert problem == "envelope.session_id is 2,000 characters long; ids are limited to 1,024"
+
+
+def test_the_sdk_refuses_an_overlong_id_as_the_worker_would() -> None:
+    from streams.sdk import AgentStream
+
+    record = result("s1", "l1", 2)
+    record["envelope"]["agent_id"] = "a" * 2_000
+    stream = AgentStream(SETTINGS, agent_id="agent")
+    with pytest.raises(ValueError, match=r"envelope\.agent_id is 2,000 characters long; ids are limited to 1,024"):
+        stream._encode("treadle.events.ToolResult", record)
