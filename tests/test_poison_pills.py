@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,5 +181,13 @@ async def test_a_topic_taking_smaller_records_than_the_producers_send_is_refused
         await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": "100000"})])
     finally:
         await admin.close()
-    with pytest.raises(TopicMismatchError, match=rf"{name} \(100,000\); raise their max.message.bytes to 1048588"):
-        await ensure_topics(catalog, deployment.kafka_bootstrap_servers)
+    deadline = time.monotonic() + 20
+    while True:  # the brokers apply a config change a moment after the controller took it
+        try:
+            await ensure_topics(catalog, deployment.kafka_bootstrap_servers)
+        except TopicMismatchError as exc:
+            refusal = str(exc)
+            break
+        assert time.monotonic() < deadline, "the topic's smaller limit was never refused"
+        await asyncio.sleep(0.5)
+    assert f"{name} (100,000); raise their max.message.bytes to 1048588" in refusal

@@ -57,7 +57,8 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
                     f"co-partitioned topics must agree: set TREADLE_PARTITIONS={found} or recreate the topic"
                 )
             states.append(TopicState(spec=spec, created=spec in missing, partitions=found))
-        await _check_record_limits(admin, [s.name for s in catalog])
+        # topics made just now have the limit set above (and a fresh one may not show it yet)
+        await _check_record_limits(admin, [s.name for s in catalog if s not in missing])
         return states
     finally:
         await admin.close()
@@ -99,8 +100,11 @@ def _configs(spec: TopicSpec) -> dict[str, str]:
 
 
 async def _check_record_limits(admin: AIOKafkaAdminClient, names: list[str]) -> None:
-    """A topic that takes smaller records than treadle's producers send would refuse an output the worker made, and
-    the worker would meet the same refusal after every restart: refuse to start instead, saying what to change."""
+    """An existing topic that takes smaller records than treadle's producers send would refuse an output the worker
+    made, and the worker would meet the same refusal after every restart: refuse to start instead, saying what to
+    change."""
+    if not names:
+        return
     try:
         responses = await admin.describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": None}) for name in names]
