@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 from topics.avro_writer import zigzag_long
 from topics.codec import HEADER
@@ -31,11 +32,12 @@ def _avro_bytes(data: bytes) -> bytes:
 class AvroContainer:
     """Single-object-encoded values of one writer schema, buffered until `to_bytes` frames them for ClickHouse."""
 
-    __slots__ = ("_header", "_sync", "schema", "values")
+    __slots__ = ("_header", "_sync", "schema", "sources", "values")
 
     def __init__(self, schema: AvroSchema) -> None:
         self.schema = schema
         self.values: list[bytes] = []
+        self.sources: list[Any] = []  # where each value came from (sinks.rejected_rows.RowSource), or None
         text = json.dumps(schema.json, separators=(",", ":")).encode()
         # Any 16 bytes do (block sizes are explicit); from the fingerprint, so equal input gives an equal file.
         self._sync = hashlib.blake2b(schema.fingerprint.to_bytes(8, "little"), digest_size=16).digest()
@@ -43,9 +45,10 @@ class AvroContainer:
         metadata += _avro_bytes(b"avro.codec") + _avro_bytes(b"null") + zigzag_long(0)
         self._header = MAGIC + metadata + self._sync
 
-    def append(self, value: bytes) -> None:
+    def append(self, value: bytes, source: Any = None) -> None:
         """A whole single-object-encoded value (header included) written with this container's schema."""
         self.values.append(value)
+        self.sources.append(source)
 
     @property
     def rows(self) -> int:
@@ -54,6 +57,7 @@ class AvroContainer:
     def extend_front(self, other: AvroContainer) -> None:
         """Put `other`'s values (an earlier batch whose insert failed) before this one's."""
         self.values = other.values + self.values
+        self.sources = other.sources + self.sources
 
     def to_bytes(self) -> bytes:
         parts = [self._header]

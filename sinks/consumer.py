@@ -13,6 +13,7 @@ import time
 from aiokafka import AIOKafkaConsumer
 
 from sinks.clickhouse import ClickHouseStore
+from sinks.rejected_rows import RejectStage, RowSource
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
 from topics.catalog import TopicCatalog, TopicRole
@@ -45,7 +46,8 @@ class SinkConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self.skipped = 0
-        self._unknown_writer: list[SourceMessage] = []  # inputs of this batch whose writer schema is not known yet
+        # inputs of this batch whose writer schema is not known yet, with where their rows came from
+        self._unknown_writer: list[tuple[SourceMessage, RowSource]] = []
 
     def consumer(self) -> AIOKafkaConsumer:
         return AIOKafkaConsumer(
@@ -111,30 +113,35 @@ class SinkConsumer:
         same before it dead-letters them); True when a table's batch is full."""
         sources, self._unknown_writer = self._unknown_writer, []
         full = False
-        for source in sources:
+        for source, row_source in sources:
             read = await self.intake.read_after_reload(source)
             if isinstance(read, Accepted):
-                full |= self.sink.add(self._specs[source.topic].kind, read.record)
+                full |= self.sink.add(self._specs[source.topic].kind, read.record, row_source)
             else:
                 self.skipped += 1
         return full
 
     def _add(self, message) -> bool:
-        """Buffer the message's rows; True when a table's batch is full (TREADLE_SINK_BATCH_SIZE rows)."""
+        """Buffer the message's rows; True when a table's batch is full (TREADLE_SINK_BATCH_SIZE rows). Never raises
+        for the record's sake: one that cannot become rows goes to rejected_rows (sinks/rejected_rows.py)."""
         spec = self._specs[message.topic]
-        if spec.role is TopicRole.INPUT:
-            source = SourceMessage.of(message, timestamp_ms=message.timestamp)
-            read = self.intake.read(source)
-            if isinstance(read, Rejected) and read.unknown_writer:
-                self._unknown_writer.append(source)  # read again after reloading the registry, once per batch
-                return False
-            if not isinstance(read, Accepted):
-                self.skipped += 1  # the step assembler writes it to dead letters
-                return False
-            return self.sink.add(spec.kind, read.record)
+        row_source = RowSource.of(message)
         try:
-            return self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema)
+            if spec.role is TopicRole.INPUT:
+                source = SourceMessage.of(message, timestamp_ms=message.timestamp)
+                read = self.intake.read(source)
+                if isinstance(read, Rejected) and read.unknown_writer:
+                    self._unknown_writer.append((source, row_source))  # read again after reloading the registry
+                    return False
+                if not isinstance(read, Accepted):
+                    self.skipped += 1  # the step assembler writes it to dead letters
+                    return False
+                return self.sink.add(spec.kind, read.record, row_source)
+            return self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema, source=row_source)
         except DecodeError as exc:
             self.skipped += 1
-            log.error("undecodable record on output topic %s@%d: %s", message.topic, message.offset, exc.reason)
+            self.sink.reject(RejectStage.MAP, spec.kind, f"undecodable on an output topic: {exc.reason}", row_source)
+            return False
+        except Exception as exc:
+            self.sink.reject(RejectStage.MAP, spec.kind, f"reading the record failed: {exc!r}", row_source)
             return False

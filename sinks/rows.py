@@ -42,7 +42,7 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
         "session_id", "step", "logical_event_id", "revision", "agent_id", "episode_id", "trace_id", "policy_version",
         "tool", "params_json", "dispatched_at", "tool_status", "output", "error", "latency_ms", "cost_usd",
         "tokens_in", "tokens_out", "result_at", "reward", "reward_status", "reward_revision",
-        *(f"reward_components.{f}" for f in _COMPONENT_FIELDS), "updated_at",
+        *(f"reward_components.{f}" for f in _COMPONENT_FIELDS), "updated_at", "truncated_bytes",
     ),
     "reward_components": (
         "logical_event_id", "session_id", "event_id", "agent_id", "episode_id", "source", "name", "value",
@@ -55,7 +55,10 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     ),
     "dead_letters": (
         "dead_letter_id", "stage", "reason", "topic", "partition", "offset", "key", "value", "event_id",
-        "session_id", "schema_name", "failed_at",
+        "session_id", "schema_name", "failed_at", "value_truncated_bytes",
+    ),
+    "rejected_rows": (
+        "rejected_id", "stage", "target_table", "reason", "topic", "partition", "offset", "value", "rejected_at",
     ),
     "late_rewards": (
         "event_id", "logical_event_id", "session_id", "episode_id", "agent_id", "policy_version", "source", "name",
@@ -243,6 +246,7 @@ def _transition(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
         "reward_revision": record.get("reward_revision", 0),
         **_components("reward_components", record.get("reward_components") or []),
         "updated_at": micros(record["updated_at"]),
+        "truncated_bytes": record.get("truncated_bytes", 0),
     }
     return [("transitions", row)]
 
@@ -282,6 +286,7 @@ def _dead_letter(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
         "session_id": record.get("session_id"),
         "schema_name": record.get("schema_name"),
         "failed_at": micros(record["failed_at"]),
+        "value_truncated_bytes": record.get("value_truncated_bytes", 0),
     }
     return [("dead_letters", row)]
 

@@ -104,7 +104,11 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     await registry.load()
     codec = AvroCodec(lookup=registry.lookup)
     intake = Intake(
-        codec, catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)), reload_schemas=registry.load_if_due
+        codec,
+        catalog,
+        InputValidator(ToolSchemas.load(settings.tool_schemas)),
+        reload_schemas=registry.load_if_due,
+        max_event_bytes=settings.max_event_bytes,  # what the worker dead-letters is not a raw event either
     )
     store = await asyncio.to_thread(open_store, settings)
     await asyncio.to_thread(apply_migrations, store)

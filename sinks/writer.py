@@ -21,32 +21,46 @@ from typing import Any
 
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
+from sinks.rejected_rows import RejectStage, RowSource, rejected_row
 from sinks.rows import AVRO_TABLES, TABLE_COLUMNS, rows_for
 from streams.runtime.metrics import SinkMetrics
 from topics.codec import HEADER, MAGIC, AvroCodec, DecodeError
 
 log = logging.getLogger(__name__)
 
+REJECTED = "rejected_rows"
+
 
 class _TableBatch:
     """Buffered rows of one table, held as one list per column."""
 
-    __slots__ = ("columns", "names", "rows")
+    __slots__ = ("columns", "names", "rows", "sources")
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
         self.columns: list[list[Any]] = [[] for _ in names]
+        self.sources: list[RowSource | None] = []  # where each row came from, for rejected_rows
         self.rows = 0
 
-    def append(self, row: Mapping[str, Any]) -> None:
-        for column, name in zip(self.columns, self.names, strict=True):
-            column.append(row[name])
+    def append(self, row: Mapping[str, Any], source: RowSource | None = None) -> None:
+        self.append_values([row[name] for name in self.names], source)
+
+    def append_values(self, values: list[Any], source: RowSource | None = None) -> None:
+        """One row's values, in column order."""
+        for column, value in zip(self.columns, values, strict=True):
+            column.append(value)
+        self.sources.append(source)
         self.rows += 1
 
     def extend_front(self, other: _TableBatch) -> None:
         """Put `other`'s rows (an earlier batch whose insert failed) before this batch's rows."""
         self.columns = [old + new for old, new in zip(other.columns, self.columns, strict=True)]
+        self.sources = other.sources + self.sources
         self.rows += other.rows
+
+    def pick(self, indexes: list[int]) -> list[list[Any]]:
+        """The columns of the rows at `indexes`."""
+        return [[column[i] for i in indexes] for column in self.columns]
 
 
 class ClickHouseSink:
@@ -77,18 +91,38 @@ class ClickHouseSink:
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()
 
-    def add(self, kind: str, record: Mapping[str, Any]) -> bool:
-        """Buffer the rows of one decoded record of topic kind `kind`; True when a batch is full."""
+    def add(self, kind: str, record: Mapping[str, Any], source: RowSource | None = None) -> bool:
+        """Buffer the rows of one decoded record of topic kind `kind`; True when a batch is full.
+
+        With its `source`, a record whose rows cannot be made becomes a rejected_rows row instead of raising."""
+        try:  # every row of the record is made before any is buffered: a record is written whole or rejected
+            rows = [(table, [row[name] for name in TABLE_COLUMNS[table]]) for table, row in rows_for(kind, record)]
+        except Exception as exc:
+            if source is None:
+                raise
+            self.reject(RejectStage.MAP, kind, f"mapping the record to rows failed: {exc!r}", source)
+            return False
         full = False
-        for table, row in rows_for(kind, record):
+        for table, values in rows:
             batch = self._batches.get(table)
             if batch is None:
                 batch = self._batches[table] = _TableBatch(TABLE_COLUMNS[table])
-            batch.append(row)
+            batch.append_values(values, source)
             full |= batch.rows >= self.batch_size
         return full
 
-    def add_encoded(self, kind: str, value: bytes | None, expect: str) -> bool:
+    def reject(self, stage: RejectStage, table: str, reason: str, source: RowSource) -> None:
+        """Write `source` to rejected_rows (with the next flush) instead of `table`."""
+        log.error("%s[%d]@%d is not written to %s but to rejected_rows (%s): %s", source.topic, source.partition,
+                  source.offset, table, stage, reason)  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.rejected_rows.labels(table, str(stage)).inc()
+        batch = self._batches.get(REJECTED)
+        if batch is None:
+            batch = self._batches[REJECTED] = _TableBatch(TABLE_COLUMNS[REJECTED])
+        batch.append(rejected_row(stage, table, reason, source))
+
+    def add_encoded(self, kind: str, value: bytes | None, expect: str, source: RowSource | None = None) -> bool:
         """Buffer one record of topic kind `kind` as it is on the topic (schema `expect`); True when a batch is full.
 
         Written with the current version of `expect` and bound for an AVRO_TABLES table, it stays bytes until
@@ -99,10 +133,10 @@ class ClickHouseSink:
             container = self._containers.get(table)
             if container is None:
                 container = self._containers[table] = AvroContainer(self.codec.schemas[expect])
-            container.append(value)
+            container.append(value, source)
             return container.rows >= self.batch_size
         _, record = self.codec.decode(value, expect=expect)
-        return self.add(kind, record)
+        return self.add(kind, record, source)
 
     def _header(self, schema_name: str) -> bytes:
         header = self._headers.get(schema_name)
@@ -152,16 +186,61 @@ class ClickHouseSink:
                 _keep_unflushed(containers, self._containers)
             batches, self._batches = self._batches, {}
             try:
-                for table in list(batches):
-                    batch = batches[table]
-                    if batch.rows:
-                        await self._timed(table, batch.rows, self.store.insert(table, batch.columns, batch.names,
-                                                                               column_oriented=True))  # fmt: skip
-                        inserted[table] = inserted.get(table, 0) + batch.rows
-                    del batches[table]
+                for table in [*(t for t in batches if t != REJECTED), REJECTED]:
+                    if table == REJECTED and REJECTED in self._batches:  # rejects found while inserting the others
+                        found = self._batches.pop(REJECTED)
+                        if REJECTED in batches:
+                            found.extend_front(batches[REJECTED])
+                        batches[REJECTED] = found
+                    batch = batches.get(table)
+                    if batch is not None and batch.rows:
+                        inserted[table] = inserted.get(table, 0) + await self._insert_batch(table, batch)
+                    batches.pop(table, None)
             finally:
                 _keep_unflushed(batches, self._batches)
             return inserted
+
+    async def _insert_batch(self, table: str, batch: _TableBatch) -> int:
+        """Insert the batch; if ClickHouse refuses it (not unavailable: the data), find the rows it refuses by
+        inserting halves, and send those to rejected_rows. Rows inserted twice on the way are harmless (the tables
+        collapse duplicates). Returns the rows inserted into `table`."""
+        try:
+            await self._timed(table, batch.rows, self.store.insert(table, batch.columns, batch.names,
+                                                                   column_oriented=True))  # fmt: skip
+            return batch.rows
+        except ClickHouseUnavailableError:
+            raise
+        except Exception as exc:
+            if table == REJECTED or not any(batch.sources):
+                raise
+            log.warning("ClickHouse refused a batch of %d rows for %s (%s); inserting it in parts to find the "
+                        "rows it refuses", batch.rows, table, _one_line(exc))  # fmt: skip
+            first_error = exc
+        refused: list[tuple[int, str]] = []
+        good = await self._bisect(table, batch, list(range(batch.rows)), refused)
+        if good == 0 and batch.rows > 1:
+            raise first_error  # every row alone fails too: the table or the server is at fault, not the records
+        for index, reason in refused:
+            source = batch.sources[index]
+            if source is None:
+                raise first_error  # nowhere to say where it came from: keep the old behaviour (retry)
+            self.reject(RejectStage.INSERT, table, f"ClickHouse refused the row: {reason}", source)
+        return good
+
+    async def _bisect(self, table: str, batch: _TableBatch, indexes: list[int], refused: list[tuple[int, str]]) -> int:
+        try:
+            await self.store.insert(table, batch.pick(indexes), batch.names, column_oriented=True)
+            self._written[table] += len(indexes)
+            return len(indexes)
+        except ClickHouseUnavailableError:
+            raise
+        except Exception as exc:
+            if len(indexes) == 1:
+                refused.append((indexes[0], _one_line(exc)))
+                return 0
+        middle = len(indexes) // 2
+        left = await self._bisect(table, batch, indexes[:middle], refused)
+        return left + await self._bisect(table, batch, indexes[middle:], refused)
 
     async def _insert_container(self, table: str, container: AvroContainer, inserted: dict[str, int]) -> None:
         """ClickHouse decodes the records; if it cannot (a malformed record fails the whole insert), they are decoded
@@ -182,15 +261,19 @@ class ClickHouseSink:
 
     def _decode_into_batches(self, table: str, container: AvroContainer) -> None:
         [kind] = [kind for kind, target in AVRO_TABLES.items() if target == table]  # one topic kind per table
-        for value in container.values:
+        for index, value in enumerate(container.values):
             try:
                 _, record = self.codec.decode(value, expect=container.schema.name)
             except DecodeError as exc:
                 self.undecodable += 1
-                log.error("undecodable %s record bound for %s, not inserted: %s", container.schema.name, table,
-                          exc.reason)  # fmt: skip
+                source = container.sources[index]
+                if source is not None:
+                    self.reject(RejectStage.MAP, table, f"undecodable: {exc.reason}", source)
+                else:
+                    log.error("undecodable %s record bound for %s, not inserted: %s", container.schema.name, table,
+                              exc.reason)  # fmt: skip
                 continue
-            self.add(kind, record)
+            self.add(kind, record, container.sources[index])
 
     async def _timed(self, table: str, rows: int, insert: Any) -> None:
         started = time.perf_counter()
@@ -199,6 +282,10 @@ class ClickHouseSink:
             self.metrics.batch_seconds.labels(table).observe(time.perf_counter() - started)
             self.metrics.batch_rows.labels(table).observe(rows)
         self._written[table] += rows
+
+
+def _one_line(exc: BaseException, limit: int = 500) -> str:
+    return " ".join(str(exc).split())[:limit] or repr(exc)
 
 
 def _keep_unflushed(unflushed: Mapping[str, Any], buffers: dict[str, Any]) -> None:

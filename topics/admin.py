@@ -11,9 +11,11 @@ import logging
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
 
 from topics.catalog import TopicCatalog, TopicSpec
+from topics.settings import KAFKA_MAX_MESSAGE_BYTES, KAFKA_MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
         if missing:
             try:
                 await admin.create_topics(
-                    [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=s.config) for s in missing]
+                    [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=_configs(s)) for s in missing]
                 )
             except TopicAlreadyExistsError:  # another worker won the race; verified below
                 pass
@@ -55,6 +57,8 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
                     f"co-partitioned topics must agree: set TREADLE_PARTITIONS={found} or recreate the topic"
                 )
             states.append(TopicState(spec=spec, created=spec in missing, partitions=found))
+        # topics made just now have the limit set above (and a fresh one may not show it yet)
+        await _check_record_limits(admin, [s.name for s in catalog if s not in missing])
         return states
     finally:
         await admin.close()
@@ -87,3 +91,38 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> tup
     counts = {d["topic"]: len(d["partitions"]) for d in described}
     led = {d["topic"]: sum(1 for p in d["partitions"] if p["leader"] >= 0) for d in described}
     return counts, led
+
+
+def _configs(spec: TopicSpec) -> dict[str, str]:
+    """The spec's topic configs, with the record limit every treadle producer is set to (topics/settings.py), so a
+    cluster whose default is lower refuses nothing a worker or the SDK sends."""
+    return {"max.message.bytes": str(KAFKA_MAX_MESSAGE_BYTES), **spec.config}
+
+
+async def _check_record_limits(admin: AIOKafkaAdminClient, names: list[str]) -> None:
+    """An existing topic that takes smaller records than treadle's producers send would refuse an output the worker
+    made, and the worker would meet the same refusal after every restart: refuse to start instead, saying what to
+    change."""
+    if not names:
+        return
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": None}) for name in names]
+        )
+    except Exception as exc:  # e.g. no DescribeConfigs permission: the limits cannot be checked, only trusted
+        log.warning("could not read the topics' max.message.bytes (%r); assuming they take %d-byte records",
+                    exc, KAFKA_MAX_REQUEST_BYTES)  # fmt: skip
+        return
+    small = {}
+    for response in responses:
+        for error_code, _, _, name, entries in (r[:5] for r in response.resources):
+            for entry in entries if error_code == 0 else ():
+                if entry[0] == "max.message.bytes" and int(entry[1]) < KAFKA_MAX_REQUEST_BYTES:
+                    small[name] = int(entry[1])
+    if small:
+        listed = ", ".join(f"{name} ({limit:,})" for name, limit in sorted(small.items()))
+        raise TopicMismatchError(
+            f"topics take records up to fewer bytes than treadle's producers send ({KAFKA_MAX_REQUEST_BYTES:,}): "
+            f"{listed}; raise their max.message.bytes to {KAFKA_MAX_MESSAGE_BYTES} (kafka-configs --alter "
+            "--entity-type topics --add-config max.message.bytes=...)"
+        )

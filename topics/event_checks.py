@@ -7,6 +7,11 @@ sends one, so both say the same thing in the same words. Each returns the proble
 from __future__ import annotations
 
 import math
+from typing import Any
+
+MAX_NAME_CHARS = 1024  # ids and names are keys, row keys and labels: a huge one would make every derived record huge
+_ENVELOPE_NAMES = ("event_id", "session_id", "agent_id", "episode_id", "logical_event_id", "trace_id", "policy_version")
+_RECORD_NAMES = ("tool", "source", "name")
 
 
 def event_time_problem(event_time_us: int) -> str | None:
@@ -26,4 +31,17 @@ def reward_problem(value: float, confidence: float) -> str | None:
         return f"reward value must be finite, got {value}"
     if not 0.0 <= confidence <= 1.0:
         return f"confidence must be in [0, 1], got {confidence}"
+    return None
+
+
+def overlong_name_problem(record: dict[str, Any]) -> str | None:
+    """An envelope id, tool or reward name longer than MAX_NAME_CHARS. A record encoded in MAX_NAME_CHARS bytes or
+    fewer cannot hold one, so callers that know the size skip this."""
+    env = record.get("envelope") or {}
+    for name in _ENVELOPE_NAMES:
+        if len(env.get(name) or "") > MAX_NAME_CHARS:
+            return f"envelope.{name} is {len(env[name]):,} characters long; ids are limited to {MAX_NAME_CHARS:,}"
+    for name in _RECORD_NAMES:
+        if len(record.get(name) or "") > MAX_NAME_CHARS:
+            return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
     return None

@@ -5,6 +5,7 @@ Shared by the step assembler and the ClickHouse sink so both agree on what a val
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,10 @@ from typing import Any
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage, DecodeError
 from topics.dead_letters import dead_letter
+from topics.settings import Settings
 from topics.validation import InputValidator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)  # not frozen: one per input record, and a frozen dataclass takes ~4x longer to build
@@ -71,8 +75,10 @@ class Intake:
         catalog: TopicCatalog,
         validator: InputValidator,
         reload_schemas: Callable[[], Awaitable[bool]] | None = None,
+        max_event_bytes: int = Settings.model_fields["max_event_bytes"].default,
     ) -> None:
         self.codec = codec
+        self.max_event_bytes = max_event_bytes  # TREADLE_MAX_EVENT_BYTES: larger inputs are dead letters
         self.validator = validator
         # SchemaRegistry.load_if_due of the registry the codec looks writers up in; None: no registry
         self.reload_schemas = reload_schemas
@@ -87,6 +93,16 @@ class Intake:
         return self.read(message)
 
     def read(self, message: SourceMessage) -> Accepted | Rejected:
+        """The decoded, valid record, or its dead letter. Never raises: whatever goes wrong with one record (a bug,
+        a RecursionError on hostile input) makes that record a dead letter, so it cannot fail its batch."""
+        try:
+            return self._read(message)
+        except Exception as exc:
+            log.error("reading %s[%d]@%d raised %r; it becomes a dead letter", message.topic, message.partition,
+                      message.offset, exc, exc_info=exc)  # fmt: skip
+            return Rejected(message.dead_letter(DeadLetterStage.DECODE, f"reading the record failed: {exc!r}"))
+
+    def _read(self, message: SourceMessage) -> Accepted | Rejected:
         expected = self._expected.get(message.topic)
         schema_name: str | None = None
         record: dict[str, Any] | None = None
@@ -100,8 +116,24 @@ class Intake:
                     return Rejected(message.dead_letter(exc.stage, exc.reason), unknown_writer=True)
                 stage, reason = exc.stage, exc.reason
             else:
-                problem = self.validator.problem(schema_name, record, message.key)
+                try:
+                    problem = self._size_problem(message) or self.validator.problem(
+                        schema_name, record, message.key, len(message.value)
+                    )
+                except Exception as exc:  # a validator bug or hostile content: this record only
+                    log.error("validating %s[%d]@%d raised %r", message.topic, message.partition, message.offset,
+                              exc, exc_info=exc)  # fmt: skip
+                    problem = f"validating the record failed: {exc!r}"
                 if problem is None:
                     return Accepted(schema_name, record)
                 stage, reason = DeadLetterStage.VALIDATE, problem
         return Rejected(message.dead_letter(stage, reason, schema_name, record))
+
+    def _size_problem(self, message: SourceMessage) -> str | None:
+        size = len(message.value or b"") + len(message.key or b"")
+        if size <= self.max_event_bytes:
+            return None
+        return (
+            f"the event is {size:,} bytes (key and value), above the {self.max_event_bytes:,}-byte limit "
+            "(TREADLE_MAX_EVENT_BYTES); the SDK refuses such events before sending them"
+        )

@@ -20,6 +20,12 @@ _ENV_NAMES = {
 }
 _LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environment
 
+# Kafka's record limits, written out rather than left to each default so the producers, the topics and the local
+# broker agree: a record the producer accepts is one the broker takes. These are Kafka's own defaults (the broker
+# and topic limit is the producer's plus a 12-byte batch header allowance, as in Kafka).
+KAFKA_MAX_REQUEST_BYTES = 1_048_576  # producer max_request_size (worker and SDK)
+KAFKA_MAX_MESSAGE_BYTES = 1_048_588  # broker message.max.bytes and every topic's max.message.bytes
+
 
 def env_var(field: str) -> str:
     """The environment variable of a Settings field."""
@@ -239,6 +245,14 @@ class Settings(BaseModel):
         "the first is above what one input batch allocates, so its short-lived objects die before a young "
         "collection walks them, and full collections, which walk every parsed step and free next to nothing, "
         "come ~300x less often than with CPython's default (700,10,10).",
+    )
+    max_event_bytes: int = Field(
+        default=900_000,
+        ge=1024,
+        description="TREADLE_MAX_EVENT_BYTES: largest encoded event (Avro value) treadle takes: the SDK raises "
+        "EventTooLargeError before sending a larger one, the worker dead-letters one (stage VALIDATE), and derived "
+        "records larger than this are truncated with the truncation recorded. ~148 KB below Kafka's 1 MiB record "
+        "limit, so a dead letter wrapping a full-size event, or a step holding it with its other events, still fits.",
     )
     tool_schemas: Path | None = Field(
         default=None,

@@ -14,6 +14,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 
+from topics.json_budget import json_depth_problem
+
 
 class InvalidParamsError(ValueError):
     """Tool parameters that do not match the tool's registered JSON Schema."""
@@ -51,6 +53,9 @@ class ToolSchemas:
         return None if validator is None else first_problem(validator, params, f"params of {tool}")
 
     def error_in_json(self, tool: str, params_json: str) -> str | None:
+        """Why `params_json` is invalid for `tool`, or None; too deep a document is refused before it is parsed."""
+        if (problem := json_depth_problem("params_json", params_json)) is not None:
+            return problem
         try:
             params = json.loads(params_json)
         except json.JSONDecodeError as exc:

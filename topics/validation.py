@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from topics.event_checks import event_time_problem, latency_problem, reward_problem
-from topics.names import DISPATCH, REWARD, TOOL_RESULT
+from topics.event_checks import (
+    MAX_NAME_CHARS,
+    event_time_problem,
+    latency_problem,
+    overlong_name_problem,
+    reward_problem,
+)
+from topics.json_budget import json_depth_problem
+from topics.names import DISPATCH, REWARD, STATE_DELTA, TOOL_RESULT
 from topics.tool_schemas import ToolSchemas
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
@@ -19,14 +26,20 @@ class InputValidator:
     def __init__(self, tool_schemas: ToolSchemas | None = None) -> None:
         self.tool_schemas = tool_schemas or ToolSchemas()
 
-    def problem(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> str | None:
-        """Why the record is invalid, or None."""
+    def problem(
+        self, schema_name: str, record: dict[str, Any], key: bytes | None, encoded_bytes: int | None = None
+    ) -> str | None:
+        """Why the record is invalid, or None. `encoded_bytes`: its encoded size, if known (a record that small cannot
+        hold an overlong id, so those checks are skipped)."""
         env = record.get("envelope")
         if not isinstance(env, dict):
             return "record has no envelope"
         for name in _REQUIRED_ENVELOPE:
             if not env.get(name):
                 return f"envelope.{name} is empty"
+        overlong = encoded_bytes is None or encoded_bytes > MAX_NAME_CHARS  # else no id can be that long
+        if overlong and (problem := overlong_name_problem(record)) is not None:
+            return problem
         if key is None:
             return (
                 f"the message has no key; events must be keyed by envelope.session_id ({env['session_id']!r}) so a "
@@ -47,4 +60,17 @@ class InputValidator:
             return latency_problem(record["latency_ms"])
         if schema_name == REWARD:
             return reward_problem(record["value"], record["confidence"])
+        if schema_name == STATE_DELTA:
+            return _state_delta_problem(record)
         return None
+
+
+def _state_delta_problem(record: dict[str, Any]) -> str | None:
+    """A node or edge whose data_json nests too deep for the state processor to parse."""
+    for i, node in enumerate(record["node_upserts"]):
+        if (problem := json_depth_problem(f"node_upserts[{i}].data_json", node["data_json"])) is not None:
+            return problem
+    for i, edge in enumerate(record["edge_upserts"]):
+        if (problem := json_depth_problem(f"edge_upserts[{i}].data_json", edge["data_json"])) is not None:
+            return problem
+    return None

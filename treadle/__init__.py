@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from streams.sdk import (
     Annotator,
     Edge,
+    EventTooLargeError,
     FailedEvent,
     LifecycleKind,
     Node,
@@ -35,6 +36,7 @@ __all__ = [
     "Annotator",
     "Edge",
     "EventProcessor",
+    "EventTooLargeError",
     "FailedEvent",
     "InputEvent",
     "InvalidParamsError",

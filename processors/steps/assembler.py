@@ -369,6 +369,7 @@ class StepAssembler:
             "reward_revision": woven["revision"] if woven else 0,
             "reward_components": woven["components"] if woven else [],
             "updated_at": max(times),
+            "truncated_bytes": 0,  # processors/output_size.py cuts output/params_json/error if the row would not fit
         }
 
     # --- late rewards --------------------------------------------------------------------------------------------

@@ -97,6 +97,10 @@ class _Touched:
         return self.repeated and not self.emitted
 
 
+class StepTooLargeError(ValueError):
+    """An event that would make its step's state too large to store and produce."""
+
+
 def publishes_all(weave: Weave | None, folded: set[str], *, reshaped: bool, repeated: bool) -> bool:
     """Whether a change to a step publishes all its rows, or only its late-rewards rows.
 
@@ -141,6 +145,7 @@ class StepProcessor:
         # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
         self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
+        self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
@@ -148,6 +153,7 @@ class StepProcessor:
         )
         self.expiry.setup(app, settings, self.name)
         self.catch_up_backlog = settings.catch_up_backlog
+        self.max_step_bytes = settings.max_event_bytes
         self.credits_episodes = "credit" in settings.processors
         app.before_commit.append(self.write_out)  # type: ignore[attr-defined]  # a ResumingApp
         if settings.reward_policy is not None:
@@ -228,6 +234,9 @@ class StepProcessor:
                     entry = touched[key] = _Touched(
                         state, event, _Before.of(state), emitted=state.emitted, new=loaded is None
                     )
+                if (too_large := self._too_large(entry.state, event)) is not None:
+                    await ctx.failed(self.name, event, too_large)
+                    continue
                 joined_before = _joined_rewards(entry.state)
                 folded = self.assembler.fold(entry.state, event.schema_name, event.record, event.source.value)
                 if folded:
@@ -270,6 +279,20 @@ class StepProcessor:
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
         for partition, behind in catching_up.items():  # the windows the batch moved the watermark past close now
             await self._fire_due(partition, self.watermarks.watermark(partition), ctx, behind)
+
+    def _too_large(self, state: StepState, event: InputEvent) -> StepTooLargeError | None:
+        """Why the event must not join its step: the step's events together would pass TREADLE_MAX_EVENT_BYTES, so
+        the step's table record (RocksDB and changelog: every event it holds) and its rows could not be produced."""
+        raw = event.source.value
+        if raw is None or event.record["envelope"]["event_id"] in state.raw:
+            return None  # already held (a replay): folding it again adds nothing
+        held = sum(map(len, state.raw.values()))
+        if held + len(raw) <= self.max_step_bytes:
+            return None
+        return StepTooLargeError(
+            f"step {state.logical_event_id} holds {held:,} bytes of events; this {len(raw):,}-byte event would take "
+            f"it past the {self.max_step_bytes:,}-byte limit (TREADLE_MAX_EVENT_BYTES) of one step's table record"
+        )
 
     def _episode_reward(self, event: InputEvent) -> None:
         """Say once if episode rewards arrive with no credit processor to spread them: they stay in raw_events."""

@@ -28,7 +28,8 @@ from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
 from topics.names import DEAD_LETTER, REWARD
-from topics.settings import Settings
+from topics.output_size import fit
+from topics.settings import KAFKA_MAX_REQUEST_BYTES, Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 KEY_HASH_CACHE = 100_000  # session keys whose murmur2 is remembered
 PRODUCER_BATCH_BYTES = 512 * 1024  # per output partition; one intake batch's outputs fit without waiting
+MAX_OUTPUT_BYTES = KAFKA_MAX_REQUEST_BYTES - 4096  # an uncuttable output up to this is sent: room for batch headers
 POLL_RECORDS = 200  # records one getmany hands out (an intake batch reads several)
 
 
@@ -75,8 +77,16 @@ class Pipeline:
     _key_hashes: dict[bytes, int] = field(default_factory=dict)  # session key -> murmur2 (sessions repeat)
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
+        """Encode and send; a record above TREADLE_MAX_EVENT_BYTES has its large fields cut, the cut recorded in it
+        (topics.output_size), or raises OutputTooLargeError, which costs the input that made it."""
         topic = self.outputs[schema_name]
-        await self.send(topic, key, self.codec.encode(schema_name, record))
+        value, cut = fit(schema_name, record, self.codec.encode, self.settings.max_event_bytes, MAX_OUTPUT_BYTES)
+        if cut:
+            self.metrics.outputs_truncated.labels(schema_name).inc()
+            log.warning("a %s (key %r) was above TREADLE_MAX_EVENT_BYTES=%d: cut %d bytes from its largest fields, "
+                        "counted in the record", schema_name.rsplit(".", 1)[-1], key, self.settings.max_event_bytes,
+                        cut)  # fmt: skip
+        await self.send(topic, key, value)
         counter = self._out_counters.get(schema_name)
         if counter is None:
             counter = self._out_counters[schema_name] = self.metrics.events_out.labels(topic, schema_name)
@@ -130,12 +140,14 @@ class Pipeline:
         self.bind_partition(event.source.partition)
 
     async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
-        log.error("processor %s failed on %s[%d]@%d: %r", processor, *_where(event.source), exc, exc_info=exc)
+        log.error("processor %s failed on %s[%d]@%d: %r; the event becomes a dead letter", processor,
+                  *_where(event.source), exc, exc_info=exc)  # fmt: skip
         failure = event.source.dead_letter(
             DeadLetterStage.PROCESS, f"processor {processor} failed: {exc!r}", event.schema_name, event.record
         )
         await self.publish(DEAD_LETTER, failure, key=event.source.key)
         self.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, event.schema_name).inc()
+        self.metrics.isolated_failures.labels(processor).inc()
 
 
 def _where(source: SourceMessage) -> tuple[str, int, int]:
@@ -185,6 +197,9 @@ def build_pipeline(
         # input partitions to read again, so co-partitioned inputs stay in step (streams/runtime/input_alignment.py).
         broker_max_poll_records=min(settings.process_batch_size, POLL_RECORDS),
         broker_commit_every=settings.commit_every,
+        # Kafka's default, said out loud: topics and the local broker take this much (topics.settings), and
+        # every output fits well within it (TREADLE_MAX_EVENT_BYTES, topics.output_size).
+        producer_max_request_size=KAFKA_MAX_REQUEST_BYTES,
     )
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
@@ -198,7 +213,7 @@ def build_pipeline(
         settings=settings,
         catalog=catalog,
         codec=codec,
-        intake=Intake(codec, catalog, InputValidator(tool_schemas)),
+        intake=Intake(codec, catalog, InputValidator(tool_schemas), max_event_bytes=settings.max_event_bytes),
         processors=processors,
         outputs=outputs,
     )
@@ -214,7 +229,10 @@ def build_pipeline(
             await handle_batch(pipeline, messages)
         except Exception as exc:  # unacked, so redelivered after the restart
             log.critical("the intake failed on a batch of %d input records, stopping: %r", len(messages), exc)
-            await app.crash(exc)
+            # Not awaited here: the crash stops the consumer, which waits for this very batch to end (awaiting it
+            # inline held a stop for 60 s: `waited 30 s for 1 handed-out input batches`).
+            if pipeline._crash is None:
+                pipeline._crash = asyncio.ensure_future(app.crash(exc))
             raise
 
     app.deliver_in_batches(
@@ -255,12 +273,30 @@ async def handle_batch(pipeline: Pipeline, messages: list[Any]) -> None:
         metrics.events_in.labels(topic, schema).inc(n)
     for processor in pipeline.processors:
         mine = [e for e in valid if e.schema_name in processor.inputs]
-        if not mine:
-            continue
+        if mine:
+            await process_isolated(processor, mine, pipeline)
+
+
+async def process_isolated(processor: EventProcessor, events: list[InputEvent], pipeline: Pipeline) -> None:
+    """Hand `events` to `processor`; if it raises, hand them over again one at a time, so only the events it raises
+    on become dead letters (stage PROCESS, naming the processor) and the rest of the batch is folded.
+
+    Redoing the batch is safe because every processor already takes any input again: the worker is at-least-once,
+    and a crash replays everything since the last commit, part-folded batches included. So each processor is
+    idempotent by event_id (steps, credit and llm_judge skip events their state holds; state versions and safety
+    metrics are keyed by event_id), and a retry is the same as that replay, for a part of a batch.
+    """
+    try:
+        await processor.process(events, pipeline)
+        return
+    except Exception as exc:
+        if len(events) == 1:
+            await pipeline.failed(processor.name, events[0], exc)
+            return
+        log.error("processor %s raised on a batch of %d events (%r); handing them over one at a time so only the "
+                  "events it fails on become dead letters", processor.name, len(events), exc)  # fmt: skip
+    for event in events:
         try:
-            await processor.process(mine, pipeline)
+            await processor.process([event], pipeline)
         except Exception as exc:
-            # A processor bug must not stall every partition: dead-letter what it could not fold (with
-            # the raw bytes, replayable) and keep going.
-            for event in mine:
-                await pipeline.failed(processor.name, event, exc)
+            await pipeline.failed(processor.name, event, exc)

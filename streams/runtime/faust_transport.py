@@ -65,6 +65,7 @@ FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also
 # shares with the sink (weaving bench, paced 5,000 events/s). Sparse input waits at most FETCH_MAX_WAIT_MS longer.
 FETCH_MIN_BYTES = 16_384
 STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
+STOP_WAIT_S = 15.0  # a stopping worker waits this long for a batch being folded, then stops without it (replayed)
 BatchHandler = Callable[[list[Any]], Awaitable[None]]  # takes Faust ConsumerMessages, in fetch order
 
 
@@ -113,7 +114,18 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         report covers agents only, and this app folds its input outside agents."""
         report = asyncio.ensure_future(self._report_stall(STALL_REPORT_S))
         try:
-            await super().wait_empty()
+            if not self.app.should_stop:
+                await super().wait_empty()
+                return
+            # Stopping: a batch that never finishes must not hold the stop (SIGTERM was once ignored for 60 s). Its
+            # offsets are not committed, so the next owner of its partitions folds it again.
+            try:
+                await asyncio.wait_for(super().wait_empty(), STOP_WAIT_S)
+            except TimeoutError:
+                log.warning("stopping without the %d input batches still being folded after %.0f s: their offsets "
+                            "are not committed, so they are processed again after the restart",
+                            len(self._unacked_messages), STOP_WAIT_S)  # fmt: skip
+                self._unacked_messages.clear()
         finally:
             report.cancel()
 
@@ -178,7 +190,14 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             raise RuntimeError("records of a batch topic arrived before ResumingApp.deliver_in_batches was called")
 
         async def fold_then_ack() -> None:
-            await handle(batch)
+            try:
+                await handle(batch)
+            except BaseException:
+                # Not acked (its offsets stay uncommitted, so it is redelivered), but no longer awaited: a stop or a
+                # rebalance waiting for it would otherwise wait forever (`waited 30 s for 1 handed-out input batches`).
+                self._unacked_messages.discard(batch[0])
+                notify(self._waiting_for_ack)
+                raise
             self._ack_all(batch)
 
         # Shielded: cancelling the fetch loop (a stop) must not leave a batch half folded.
@@ -310,6 +329,10 @@ def task_stacks() -> str:
     return out.getvalue()
 
 
+class StopTimeoutError(RuntimeError):
+    """A stopping worker gave up waiting for work in progress; its input is not committed (so it is replayed)."""
+
+
 class ProducerFlushError(RuntimeError):
     """An appended record was not acked: what it derived from must be processed again."""
 
@@ -369,6 +392,7 @@ class ResumingApp(faust.App):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.before_commit = []
+        self._hooks_timed_out = False
 
     async def _on_partitions_revoked(self, revoked: Any) -> None:
         if not self.should_stop:
@@ -376,10 +400,31 @@ class ResumingApp(faust.App):
         await super()._on_partitions_revoked(revoked)
 
     async def _stop_consumer(self) -> None:
-        await self._before_commit()
+        try:
+            await self._before_commit()
+        except StopTimeoutError as exc:
+            log.warning("%s", exc)
         await super()._stop_consumer()
 
     async def _before_commit(self) -> None:
+        if not self.should_stop:
+            for hook in self.before_commit:
+                await hook()
+            return
+        # Stopping: a hook waits for a batch being folded (it holds its processor's lock); one that never finishes
+        # must not hold the stop. Raising keeps the commit that called it from committing what was not written out.
+        if self._hooks_timed_out:
+            raise StopTimeoutError("the write-out of changed table values timed out while stopping; not committing")
+        try:
+            await asyncio.wait_for(self._run_hooks(), STOP_WAIT_S)
+        except TimeoutError:
+            self._hooks_timed_out = True
+            raise StopTimeoutError(
+                f"the write-out of changed table values did not finish within {STOP_WAIT_S:.0f} s of the stop; "
+                "nothing more is committed, and what was not is processed again after the restart"
+            ) from None
+
+    async def _run_hooks(self) -> None:
         for hook in self.before_commit:
             await hook()
 

@@ -38,6 +38,9 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_sink_gc_seconds_total": "counter",
     "treadle_consumer_lag": "gauge",
     "treadle_producer_errors_total": "counter",
+    "treadle_isolated_failures_total": "counter",
+    "treadle_outputs_truncated_total": "counter",
+    "treadle_sink_rejected_rows_total": "counter",
     "treadle_gpu_utilization_ratio": "gauge",
     "treadle_gpu_memory_used_bytes": "gauge",
     "treadle_gpu_power_watts": "gauge",
@@ -197,6 +200,18 @@ class WorkerMetrics:
         self.producer_errors = Counter(
             "treadle_producer_errors", "Records the producer could not deliver, by topic.", ["topic"], registry=r
         )
+        self.isolated_failures = Counter(
+            "treadle_isolated_failures",
+            "Input records whose processing raised and cost only themselves (a PROCESS dead letter), by processor.",
+            ["processor"],
+            registry=r,
+        )
+        self.outputs_truncated = Counter(
+            "treadle_outputs_truncated",
+            "Derived records cut to fit TREADLE_MAX_EVENT_BYTES (the cut is recorded in the record), by type.",
+            ["type"],
+            registry=r,
+        )
         self.rocksdb_memory = RocksDBMemoryGauge(r)
         self.gc_pauses = CollectorPauses("treadle_gc_seconds", r)
 
@@ -220,6 +235,13 @@ class SinkMetrics:
             "treadle_sink_batch_seconds", "Seconds per ClickHouse insert, by table.", ["table"],
             buckets=BATCH_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
+        self.rejected_rows = Counter(
+            "treadle_sink_rejected_rows",
+            "Records written to rejected_rows instead of their table (MAP: no rows could be made; INSERT: ClickHouse "
+            "refused the row), by table and stage.",
+            ["table", "stage"],
+            registry=r,
+        )
         self.consumer_lag = _consumer_lag(r)
         self.gc_pauses = CollectorPauses("treadle_sink_gc_seconds", r)
 

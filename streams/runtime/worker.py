@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import faust
@@ -31,6 +32,11 @@ from topics.schemas import SchemaSet
 from topics.settings import Settings
 
 log = logging.getLogger(__name__)
+
+STOP_DEADLINE_S = 45.0  # a stop that has not ended the process by then ends it (what was not committed is replayed)
+SINK_CHECK_S = 1.0  # how often the worker checks that its sink child still runs
+SINK_RESTART_MAX_S = 30.0  # longest pause between restarts of a sink child that keeps exiting
+SINK_STABLE_S = 60.0  # a sink child that ran this long before it exited is restarted without backing off
 
 
 async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
@@ -110,13 +116,34 @@ class SinkChild:
             await asyncio.sleep(0.2)
         raise RuntimeError(f"the sink process did not serve SQL within {timeout:.0f} s")
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 30.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(wait_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+    async def supervise(self) -> None:
+        """Start the sink child again whenever it exits while the worker runs (it was simply gone after a crash),
+        waiting longer between restarts while it keeps dying soon after each start, up to SINK_RESTART_MAX_S."""
+        pause, started = SINK_CHECK_S, time.monotonic()
+        while True:
+            await asyncio.sleep(SINK_CHECK_S)
+            if self.proc is None or self.proc.poll() is None:
+                continue
+            lived = time.monotonic() - started
+            pause = SINK_CHECK_S if lived > SINK_STABLE_S else min(pause * 2, SINK_RESTART_MAX_S)
+            log.error("the sink child (pid %d) exited with code %s after %.0f s; starting it again in %.0f s (its log "
+                      "lines are above; rows wait in Kafka meanwhile)", self.proc.pid, self.proc.returncode, lived,
+                      pause)  # fmt: skip
+            await asyncio.sleep(pause)
+            started = time.monotonic()
+            self.start()
+            try:
+                await self.wait_ready()
+            except RuntimeError as exc:
+                log.error("the restarted sink child is not serving: %s", exc)
 
 
 def run_worker(settings: Settings, loglevel: str = "info") -> None:
@@ -143,6 +170,24 @@ class TreadleWorker(faust.Worker):
         super().__init__(app, **kwargs)
         self.treadle_settings = settings
         self.sink = sink
+        self._deadline: threading.Timer | None = None
+
+    async def stop(self) -> None:
+        """Faust's stop, bounded: a batch that never finishes (or a hook waiting on it) cannot keep the process up
+        past STOP_DEADLINE_S. Ending it then is as safe as a crash: uncommitted input is processed again."""
+        if self._deadline is None:
+            self._deadline = threading.Timer(STOP_DEADLINE_S, self._stop_now)
+            self._deadline.daemon = True
+            self._deadline.start()
+        await super().stop()
+
+    def _stop_now(self) -> None:
+        log.error("the worker did not stop within %.0f s; ending it now (uncommitted input is processed again after "
+                  "the restart)", STOP_DEADLINE_S)  # fmt: skip
+        if self.sink is not None:
+            self.sink.stop(wait_s=5.0)
+        logging.shutdown()
+        os._exit(1)
 
     async def on_startup_finished(self) -> None:
         # The schema and policy readers assign a consumer every few seconds; aiokafka logs each assignment.
@@ -151,6 +196,7 @@ class TreadleWorker(faust.Worker):
         freeze_startup_objects()
         if self.sink is not None:
             await self.sink.wait_ready()
+            self.add_future(self.sink.supervise())
         s = self.treadle_settings
         log.info("Avro codec: %s", native_codec.describe())
         WorkerInfo(pid=os.getpid(), web_port=s.web_port, embedded_clickhouse=s.embedded_clickhouse).write(s)

@@ -26,6 +26,7 @@ from streams.sdk.types import (
     _ANNOTATORS,
     _METADATA_TIMEOUT_S,
     Annotator,
+    EventTooLargeError,
     FailedEvent,
     ProducerError,
     StepRef,
@@ -35,7 +36,7 @@ from streams.sdk.types import (
 )
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
-from topics.event_checks import event_time_problem, reward_problem
+from topics.event_checks import MAX_NAME_CHARS, event_time_problem, overlong_name_problem, reward_problem
 from topics.ids import uuid7
 from topics.names import INPUT_SCHEMAS, REWARD
 from topics.settings import Settings
@@ -56,6 +57,7 @@ class _Emitter:
         delivery_timeout_s: float,
     ) -> None:
         self.settings = settings or Settings.from_env()
+        self._max_event_bytes = self.settings.max_event_bytes
         self.delivery_timeout_s = delivery_timeout_s
         self.agent_id = agent_id
         self.policy_version = policy_version
@@ -244,9 +246,18 @@ class _Emitter:
     def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
         """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
         try:
-            return self._codec.encode(schema, record)
+            value = self._codec.encode(schema, record)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
+        if len(value) > MAX_NAME_CHARS and (problem := overlong_name_problem(record)) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
+        if len(value) > self._max_event_bytes:
+            raise EventTooLargeError(
+                f"{schema.rsplit('.', 1)[-1]} is {len(value):,} bytes encoded, above the "
+                f"{self._max_event_bytes:,}-byte limit (TREADLE_MAX_EVENT_BYTES); nothing was sent: store large "
+                "payloads elsewhere and send a reference"
+            )
+        return value
 
     def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
         """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.

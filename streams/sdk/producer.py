@@ -12,7 +12,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from topics.settings import Settings
+from topics.settings import KAFKA_MAX_REQUEST_BYTES, Settings
 
 DEFAULT_LINGER_MS = 5
 
@@ -25,6 +25,7 @@ def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
         "acks": "all",
         "enable_idempotence": True,
         "linger_ms": DEFAULT_LINGER_MS,
+        "max_request_size": KAFKA_MAX_REQUEST_BYTES,  # the broker and topics take this (topics/settings.py)
     }
     config.update(overrides)
     return config

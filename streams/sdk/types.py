@@ -86,6 +86,10 @@ class StreamError(Exception):
     """The stream cannot do what was asked (not started, closed, topics missing)."""
 
 
+class EventTooLargeError(ValueError):
+    """An event larger than TREADLE_MAX_EVENT_BYTES encoded; nothing was sent (the worker would dead-letter it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class FailedEvent:
     """An event the broker never acknowledged; `record` is kept so the caller can resend it."""

@@ -33,6 +33,7 @@ from treadle import (
     AgentStream,
     AgentStreamSync,
     Edge,
+    EventTooLargeError,
     InvalidParamsError,
     LifecycleKind,
     Node,
@@ -433,6 +434,7 @@ async def test_reward_source_needs_only_the_step_id_and_session(settings: Settin
 
 async def test_broker_rejection_surfaces_at_flush_with_the_failed_event(settings: Settings, codec: AvroCodec) -> None:
     # The producer accepts 4 MB but the broker's limit is ~1 MB: the send is accepted, the broker refuses it later.
+    settings = settings.model_copy(update={"max_event_bytes": 4_000_000})  # past the SDK's own check
     async with AgentStream(
         settings, agent_id="agent-e", codec=codec, producer_options={"max_request_size": 4_000_000}
     ) as stream:
@@ -456,7 +458,15 @@ async def test_broker_rejection_surfaces_at_flush_with_the_failed_event(settings
     assert [a.env["logical_event_id"] for a in reads["actions"]] == [ok.logical_event_id]
 
 
+async def test_an_event_over_the_size_limit_raises_before_it_is_sent(settings: Settings, codec: AvroCodec) -> None:
+    async with AgentStream(settings, agent_id="agent-f", codec=codec) as stream:
+        with pytest.raises(EventTooLargeError, match=r"above the 900,000-byte limit \(TREADLE_MAX_EVENT_BYTES\)"):
+            await stream.dispatch("blob", {"data": "x" * 900_000})
+        assert stream.pending == 0
+
+
 async def test_producer_side_rejection_raises_at_once(settings: Settings, codec: AvroCodec) -> None:
+    settings = settings.model_copy(update={"max_event_bytes": 4_000_000})  # past the SDK's own check
     async with AgentStream(settings, agent_id="agent-f", codec=codec) as stream:
         with pytest.raises(ProducerError, match="MessageSizeTooLarge"):
             await stream.dispatch("blob", {"data": "x" * 2_000_000})
@@ -531,6 +541,7 @@ def test_a_forgotten_sync_stream_is_flushed_not_lost(settings: Settings, codec: 
 
 
 def test_sync_facade_surfaces_producer_failures(settings: Settings, codec: AvroCodec) -> None:
+    settings = settings.model_copy(update={"max_event_bytes": 4_000_000})  # past the SDK's own check
     stream = AgentStreamSync(
         settings, agent_id="agent-sync-fail", codec=codec, producer_options={"max_request_size": 4_000_000}
     ).start()

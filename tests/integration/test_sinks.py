@@ -31,9 +31,11 @@ from sinks.clickhouse import (
     checked_identifier,
     database_name,
 )
+from sinks.rejected_rows import RowSource
 from sinks.rows import INPUT_SCHEMAS, ROW_FORMAT_REVISION, TABLE_COLUMNS, micros, rows_for
 from sinks.sql_guard import ReadOnlyQueryError
 from sinks.writer import ClickHouseSink
+from streams.runtime.metrics import SinkMetrics
 from tests.paths import REPO_ROOT
 from topics.catalog import TopicCatalog
 from topics.settings import Settings
@@ -803,3 +805,61 @@ async def test_gpu_samples_join_the_tool_calls_they_overlap(store: ClickHouseSto
     assert rows == [{"step": 0, "samples": 3, "mean_utilization": pytest.approx(0.5)}]
     [count] = rows_of(store, "SELECT count() AS n, max(power_watts) AS w FROM resource_samples_latest")
     assert count == {"n": 5, "w": 500.0}
+
+
+# --- records the sink cannot write (issue 25) ---------------------------------------------------------------------
+
+
+def _source(offset: int, value: bytes = b"raw-bytes") -> RowSource:
+    return RowSource(topic="t.transitions", partition=1, offset=offset, timestamp_ms=T0 // 1000, value=value)
+
+
+async def test_a_record_that_cannot_become_rows_goes_to_rejected_rows_and_the_batch_goes_on(
+    store: ClickHouseStore,
+) -> None:
+    sink = ClickHouseSink(store)
+    sink.add("transitions", transition(2, lid="l-good"), _source(1))
+    sink.add("transitions", {"session_id": "s-1"}, _source(2, b"x" * 100_000))  # no step, no revision...
+    await sink.flush()
+    assert rows_of(store, "SELECT logical_event_id FROM transitions_latest") == [{"logical_event_id": "l-good"}]
+    [rejected] = rows_of(store, "SELECT * FROM rejected_rows_latest")
+    assert (rejected["rejected_id"], rejected["stage"], rejected["target_table"]) == ("t.transitions/1/2", "MAP",
+                                                                                      "transitions")  # fmt: skip
+    assert rejected["reason"].startswith("mapping the record to rows failed: KeyError")
+    assert (rejected["topic"], rejected["partition"], rejected["offset"]) == ("t.transitions", 1, 2)
+    assert len(rejected["value"]) == 65_536  # a sample; the whole record stays in Kafka at its offset
+
+
+async def test_a_row_clickhouse_refuses_is_found_and_rejected_alone(store: ClickHouseStore) -> None:
+    metrics = SinkMetrics()
+    sink = ClickHouseSink(store, metrics=metrics)
+    for i in range(7):
+        sink.add("transitions", transition(2, lid=f"l-{i}"), _source(i))
+    refused = transition(2, lid="l-refused")
+    refused["tokens_in"] = "many"  # maps to a row, but not into an Int64 column
+    sink.add("transitions", refused, _source(99))
+    assert (await sink.flush())["transitions"] == 7
+    lids = rows_of(store, "SELECT logical_event_id FROM transitions_latest ORDER BY logical_event_id")
+    assert [r["logical_event_id"] for r in lids] == [f"l-{i}" for i in range(7)]
+    [rejected] = rows_of(store, "SELECT rejected_id, stage, reason FROM rejected_rows_latest")
+    assert (rejected["rejected_id"], rejected["stage"]) == ("t.transitions/1/99/transitions", "INSERT")
+    assert rejected["reason"].startswith("ClickHouse refused the row: ")
+    assert metrics.rejected_rows.labels("transitions", "INSERT")._value.get() == 1
+
+
+async def test_a_batch_every_row_of_which_fails_is_a_sink_problem_not_a_record_problem(
+    store: ClickHouseStore,
+) -> None:
+    db = store.database
+    await store.call(lambda c: store_command(c, f"DROP TABLE {db}.transitions"))
+    sink = ClickHouseSink(store)
+    sink.add("transitions", transition(2, lid="l-1"), _source(1))
+    sink.add("transitions", transition(2, lid="l-2"), _source(2))
+    with pytest.raises(Exception, match="transitions"):
+        await sink.flush()
+    assert sink.pending_rows == {"transitions": 2}  # kept for the retry, none rejected
+    assert rows_of(store, "SELECT count() AS n FROM rejected_rows") == [{"n": 0}]
+
+
+def store_command(client: Any, sql: str) -> None:
+    client.command(sql)

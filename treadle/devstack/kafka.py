@@ -37,7 +37,7 @@ from streams.runtime.processes import (
     stop_pid,
     tail,
 )
-from topics.settings import Settings
+from topics.settings import KAFKA_MAX_MESSAGE_BYTES, Settings
 
 POM = Path(str(resources.files("treadle.devstack") / "pom.xml"))  # package data: Kafka's jars, for Maven
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
@@ -250,6 +250,9 @@ class LocalKafka:
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",  # topics come from the catalog (co-partitioned)
+            # what the producers' max_request_size allows (topics/settings.py); Faust's changelogs inherit it
+            "message.max.bytes": str(KAFKA_MAX_MESSAGE_BYTES),
+            "replica.fetch.max.bytes": str(KAFKA_MAX_MESSAGE_BYTES),
             "num.network.threads": "2",
             "num.io.threads": "4",
             "num.recovery.threads.per.data.dir": "1",
