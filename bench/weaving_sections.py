@@ -117,15 +117,18 @@ def throughput(ctx: Context) -> bool:
     watch = run.watch
     elapsed = watch.done_s if watch.done_s is not None else args.timeout
     complete = watch.done_s is not None and not watch.over_revision and not watch.late_unexpected
+    timed = run.timed(len(events))
     notes = [
         workload,
+        f"{run.read_before_clock:,} events read before the clock started (the worker's ready scrape): the rate and "
+        "the CPU per event count only the other ones",
         f"read back {watch.transitions:,} Transitions; steps final: "
         + ", ".join(f"{p}% at {t:.1f}s" for p, t in watch.milestones.items()),
         f"late rewards on the topic: {watch.late:,}/{len(late):,}",
         f"check: {watch.over_revision} Transitions above the final revision, {watch.late_unexpected} unexpected "
         f"AFTER_GRACE rows, {len(expected) - watch.final} steps short of final",
-        *cpu_notes(run.cpu_s, elapsed, len(events)),
-        *([f"= {len(events) / run.cpu_s:,.0f} events/s if it had the whole core"] if run.cpu_s else []),
+        *cpu_notes(run.cpu_s, elapsed, timed),
+        *([f"= {timed / run.cpu_s:,.0f} events/s if it had the whole core"] if run.cpu_s else []),
         f"by thread: {run.by_thread}",
         *([f"of it in the cycle collector: {run.gc_s[0]:.2f}s ({run.gc_s[1]:.2f}s full)"] if run.gc_s else []),
         f"loadavg before {load_before}, after {loadavg()}",
@@ -135,7 +138,7 @@ def throughput(ctx: Context) -> bool:
         "treadle worker, weaving",
         f"`treadle worker` {ctx.pin_words}, input already in Kafka: from its ready signal until every step's "
         "final-revision Transition is on the transitions topic and every late reward on late_rewards",
-        len(events), "events", elapsed, baseline="raw consume+decode", target=20_000.0, target_is_rate=True,
+        timed, "events", elapsed, baseline="raw consume+decode", target=20_000.0, target_is_rate=True,
         complete=complete, notes=notes if complete else ["[red]INCOMPLETE OR WRONG: see check[/]", *notes],
     )  # fmt: skip
     baseline = consume_baseline(

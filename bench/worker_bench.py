@@ -22,7 +22,7 @@ from typing import NamedTuple
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
-from bench.weaving_report import collector_seconds, scrape
+from bench.weaving_report import collector_seconds, metric, scrape
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
 from streams.runtime.run_info import SqlEndpoint
 from streams.sdk.producer import producer_config
@@ -221,6 +221,11 @@ class CatchUp:
     cpu_s: float | None
     by_thread: str = ""
     gc_s: tuple[float, float] | None = None  # the worker's cycle collector meanwhile: (all generations, full only)
+    read_before_clock: int = 0  # input events the worker had read when the clock started (its ready scrape)
+
+    def timed(self, n: int) -> int:
+        """The events the clock saw: a worker may read its first batches before it says it is ready."""
+        return n - self.read_before_clock
 
 
 def backlog_catch_up(
@@ -245,8 +250,10 @@ def backlog_catch_up(
     try:
         worker.wait_ready(120)
         spy = py_spy(worker.pid, profile) if profile is not None else None
-        gc_before = collector_seconds(scrape(settings.web_port))
         cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
+        page = scrape(settings.web_port)
+        gc_before = collector_seconds(page)
+        read_before = int(metric(page, "treadle_events_in_total{") or 0)
         watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         gc_after = collector_seconds(scrape(settings.web_port))
@@ -259,7 +266,7 @@ def backlog_catch_up(
     gc_s = None
     if gc_before is not None and gc_after is not None:
         gc_s = (gc_after[0] - gc_before[0], gc_after[1] - gc_before[1])
-    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s)
+    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s, read_before)
 
 
 def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
@@ -281,14 +288,16 @@ def _backlog_run(
     run = backlog_catch_up(settings, events, expected, pin=pin, timeout=timeout, argv=argv)
     watch = run.watch
     elapsed = watch.done_s if watch.done_s is not None else timeout
-    notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal"]
-    notes += cpu_notes(run.cpu_s, elapsed, len(events))
+    timed = run.timed(len(events))
+    notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal",
+             f"{run.read_before_clock:,} of them read before it (left out of the rate)"]  # fmt: skip
+    notes += cpu_notes(run.cpu_s, elapsed, timed)
     return _worker_measurement(
         "treadle worker, backlog",
         "same worker and workload, input produced before the worker starts (catch-up after downtime)",
         watch,
         len(steps),
-        len(events),
+        timed,
         elapsed,
         notes,
     )
