@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from processors.evaluation import EVALUATION_METRIC, metric_record
+from processors.evaluation import metric_record
+from topics.names import EVALUATION_METRIC
 
 MARK = "EXPLODE"
 

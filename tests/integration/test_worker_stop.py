@@ -8,11 +8,10 @@ import signal
 import time
 from pathlib import Path
 
-from tests.test_poison_pills import plugin_path
-
 from sinks.sql_client import run_sql
 from streams.runtime.run_info import SqlEndpoint
 from tests.factories import RawProducer, dispatch, result, wait_for
+from tests.integration.test_poison_pills import plugin_path
 from tests.poison_plugin import MARK
 from topics.ids import uuid7
 from topics.settings import Settings
