@@ -70,6 +70,7 @@ class Pipeline:
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     # Next offset to process per input partition (the consumer-lag metric reads it).
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    enabled_processors: str = ""  # name (kind, distribution version) of each processor, for the start log
     _crash: asyncio.Future[Any] | None = None
     _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
     _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)

@@ -21,6 +21,12 @@ from streams.runtime.processor import EventProcessor
 ENTRY_POINT_GROUP = "treadle.processors"
 
 
+REINSTALL_HINT = (
+    "Install the plugin's package, or reinstall it if you added or renamed its entry point since: pip install -e "
+    "<plugin folder>"
+)
+
+
 class ProcessorKind(StrEnum):
     CORE = "core"  # part of treadle's own pipeline (step assembly)
     REWARD_SOURCE = "reward_source"  # emits reward signals that are woven into steps
@@ -41,6 +47,8 @@ class ProcessorInfo:
     module: str
     doc: str
     entry_point: str
+    distribution: str = ""  # the installed distribution that declares the entry point ("" when unknown)
+    version: str = ""  # its version: what `pip install -e` last installed
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +58,8 @@ class ProcessorInfo:
             "module": self.module,
             "doc": self.doc,
             "entry_point": self.entry_point,
+            "distribution": self.distribution,
+            "version": self.version,
         }
 
 
@@ -80,6 +90,19 @@ class ProcessorRegistry:
     @property
     def names(self) -> list[str]:
         return sorted(self._entry_points)
+
+    def provenance(self, name: str) -> tuple[str, str]:
+        """(distribution, version) of the installed package that declares `name`; ("", "") if unknown."""
+        candidates = self._entry_points.get(name) or []
+        dist = getattr(candidates[0], "dist", None) if len(candidates) == 1 else None
+        if dist is None:
+            return "", ""
+        return str(dist.metadata["Name"] or ""), str(dist.version or "")
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        """The names no installed entry point provides (a plugin not installed, or installed before its entry point
+        was added: entry points are metadata, written by `pip install`)."""
+        return [n for n in names if n not in self._entry_points]
 
     def load(self, name: str) -> type[EventProcessor]:
         """The processor class registered as `name`, checked; PluginError says what is wrong with it."""
@@ -116,10 +139,11 @@ class ProcessorRegistry:
 
     def create(self, names: Sequence[str]) -> list[EventProcessor]:
         """One instance of each named processor, in that order (TREADLE_PROCESSORS)."""
-        unknown = [n for n in names if n not in self._entry_points]
+        unknown = self.missing(names)
         if unknown:
             known = ", ".join(self.names) or "none installed"
-            raise PluginError(f"unknown processor(s) {', '.join(unknown)} in TREADLE_PROCESSORS; known: {known}")
+            raise PluginError(f"unknown processor(s) {', '.join(unknown)} in TREADLE_PROCESSORS; known: {known}. "
+                              f"{REINSTALL_HINT}")  # fmt: skip
         repeated = sorted({n for n in names if list(names).count(n) > 1})
         if repeated:
             raise PluginError(f"processor(s) {', '.join(repeated)} listed twice in TREADLE_PROCESSORS")
@@ -134,6 +158,7 @@ class ProcessorRegistry:
             except PluginError as exc:
                 errors.append(exc)
                 continue
+            distribution, version = self.provenance(name)
             infos.append(
                 ProcessorInfo(
                     name=name,
@@ -142,6 +167,8 @@ class ProcessorRegistry:
                     module=cls.__module__,
                     doc=_first_line(cls.__doc__),
                     entry_point=self._entry_points[name][0].value,
+                    distribution=distribution,
+                    version=version,
                 )
             )
         return infos, errors
