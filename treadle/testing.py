@@ -6,8 +6,9 @@
     [signal] = ctx.rewards
     assert signal["value"] == 1.0
 
-- Event factories (`dispatch`, `tool_result`, `reward`, `state_delta`, `lifecycle`) build the InputEvents the worker
-  hands a processor: valid by default, every field overridable; one the worker would dead-letter raises instead.
+- Event factories (`dispatch`, `tool_result`, `reward`, `state_delta`, `lifecycle`; `input_event` for a record built
+  by hand) make the InputEvents the worker hands a processor: valid by default, every field overridable; one the
+  worker would dead-letter raises ValueError instead.
 - `RecordingContext` is a ProcessingContext that records what a processor publishes and dead-letters, and checks
   each publish as the worker does (`check_publish`), so a bad record fails the test at the line that made it.
 - `run` / `run_sync` hand events to a processor's `process()` with a fresh RecordingContext and return it.
@@ -42,6 +43,7 @@ __all__ = [
     "RecordingContext",
     "check_publish",
     "dispatch",
+    "input_event",
     "lifecycle",
     "reward",
     "run",
@@ -119,6 +121,12 @@ def _event(schema_name: str, record: dict[str, Any]) -> InputEvent:
     topic = _catalog().for_schema(schema_name).name
     source = SourceMessage(topic, 0, next(_offset), key, value, record["envelope"]["event_time"] // 1000)
     return InputEvent(schema_name, record, source)
+
+
+def input_event(schema_name: str, record: dict[str, Any]) -> InputEvent:
+    """An InputEvent for a record built by hand (e.g. from recorded traffic); raises ValueError if the worker would
+    dead-letter it instead of handing it to a processor."""
+    return _event(schema_name, record)
 
 
 def dispatch(

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import astuple
 from importlib.metadata import EntryPoint
 from typing import Any
 
@@ -18,13 +19,13 @@ from processors.safety.rules import DEFAULT_RULES, Category, Rule, Severity
 from processors.steps.processor import StepProcessor
 from streams.runtime.app import default_processors
 from streams.runtime.plugins import ENTRY_POINT_GROUP, PluginError, ProcessorKind, ProcessorRegistry
-from streams.runtime.processor import InputEvent, ProcessingContext
 from tests.factories import dispatch, envelope, result, reward
 from tests.paths import REPO_ROOT
 from tests.plugin_example import LongOutput
 from topics.codec import AvroCodec
 from topics.names import EVALUATION_METRIC
 from treadle.cli import app
+from treadle.testing import RecordingContext, input_event
 
 TOOL_RESULT, DISPATCH, REWARD = (
     "treadle.events.ToolResult",
@@ -185,30 +186,6 @@ def test_a_worker_with_an_unknown_processor_stops_with_one_line(tmp_path) -> Non
 # --- the safety evaluator as a processor -------------------------------------------------------------------------
 
 
-class Recorder(ProcessingContext):
-    """Collects what a processor publishes or dead-letters."""
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, dict[str, Any], bytes | None]] = []
-        self.failures: list[tuple[str, InputEvent, Exception]] = []
-
-    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        self.published.append((schema_name, record, key))
-
-    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
-        raise AssertionError("the safety evaluator writes no tables")
-
-    def bind(self, event: InputEvent) -> None:
-        raise AssertionError("the safety evaluator writes no tables")
-
-    async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
-        self.failures.append((processor, event, exc))
-
-
-def input_event(schema_name: str, record: dict[str, Any]) -> InputEvent:
-    return InputEvent(schema_name, record, source=None)  # type: ignore[arg-type]
-
-
 def tool_result(lid: str, seq: int, output: str, error: str | None = None) -> dict[str, Any]:
     record = result("s-1", lid, seq, status="OK" if error is None else "ERROR")
     return {**record, "output": output, "error": error}
@@ -270,18 +247,19 @@ async def test_the_evaluator_publishes_valid_records_keyed_by_session_and_dead_l
         input_event(DISPATCH, dispatch("s-1", "l-2", 1, 3, params='{"sql": "DROP TABLE users"}')),
         input_event(TOOL_RESULT, tool_result("l-2", 4, "done")),
     ]
-    ctx = Recorder()
+    ctx = RecordingContext(processor="safety")
     await SafetyEvaluator().process(events, ctx)
-    assert [(r["metric"], r["rule"], r["value"]) for _, r, _ in ctx.published] == [
+    assert ctx.sent == [], "the safety evaluator writes no tables"
+    assert [(r["metric"], r["rule"], r["value"]) for _, r, _ in map(astuple, ctx.published)] == [
         ("safety_alert", "email", 1.0),
         ("pii_leak", "any_pii", 1.0),
         ("safety_alert", "destructive_sql", 1.0),
         ("pii_leak", "any_pii", 0.0),
     ]
-    assert {schema for schema, _, _ in ctx.published} == {EVALUATION_METRIC}
-    assert {key for _, _, key in ctx.published} == {b"s-1"}
+    assert {p.schema_name for p in ctx.published} == {EVALUATION_METRIC}
+    assert {p.key for p in ctx.published} == {b"s-1"}
     codec = AvroCodec()
-    for schema, record, _ in ctx.published:
+    for schema, record, _ in map(astuple, ctx.published):
         _, decoded = codec.decode(codec.encode(schema, record), expect=schema)
         assert decoded == record
 
@@ -289,12 +267,12 @@ async def test_the_evaluator_publishes_valid_records_keyed_by_session_and_dead_l
         raise RuntimeError("validator bug")
 
     faulty = Rule("faulty", Category.PII, Severity.LOW, DEFAULT_RULES[0].pattern, str, validator=explode)
-    ctx = Recorder()
+    ctx = RecordingContext(processor="safety")
     await SafetyEvaluator(rules=[faulty]).process(events, ctx)
-    assert [(name, event.record["envelope"]["logical_event_id"]) for name, event, _ in ctx.failures] == [
-        ("safety", "l-1")
+    assert [(f.processor, f.event.record["envelope"]["logical_event_id"]) for f in ctx.failures] == [("safety", "l-1")]
+    assert [(r["logical_event_id"], r["metric"], r["value"]) for r in ctx.evaluation_metrics] == [
+        ("l-2", "pii_leak", 0.0)
     ]
-    assert [(r["logical_event_id"], r["metric"], r["value"]) for _, r, _ in ctx.published] == [("l-2", "pii_leak", 0.0)]
 
 
 def test_metric_ids_depend_only_on_the_judged_event() -> None:
