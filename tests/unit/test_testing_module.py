@@ -71,7 +71,7 @@ def test_a_bad_publish_raises_with_the_plugins_name_and_the_field() -> None:
     for record, key, problem in cases:
         with pytest.raises(PublishError, match=r"^plugin 'my_source' published a RewardSignal .*" + problem):
             check_publish(REWARD, record, key, "my_source")
-    with pytest.raises(PublishError, match="treadle.events.ToolResult is not a record a processor can publish"):
+    with pytest.raises(PublishError, match=r"treadle\.events\.ToolResult is not a record a processor can publish"):
         check_publish(TOOL_RESULT, judged, b"session-1", "my_source")
 
 
@@ -91,7 +91,7 @@ class Careless:
 
 
 def test_run_records_publishes_and_fails_at_the_line_that_made_a_bad_one() -> None:
-    with pytest.raises(PublishError, match="^plugin 'careless' published a RewardSignal"):
+    with pytest.raises(PublishError, match=r"^plugin 'careless' published a RewardSignal"):
         run_sync(Careless(), tool_result())
 
     class Evaluator(Careless):
