@@ -260,14 +260,14 @@ def processors(as_json: bool = typer.Option(False, "--json", help="Print one JSO
 
 def _processor_table(infos: list[Any], enabled: set[str]) -> Table:
     """Fits 80 columns: the doc wraps, inputs are short names; module and version are in --json."""
-    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("on", no_wrap=True)
-    table.add_column("inputs", overflow="fold", max_width=16)
+    table.add_column("inputs", no_wrap=True)
     table.add_column("doc", ratio=1, min_width=20)
     for info in infos:
-        inputs = ", ".join(i.rsplit(".", 1)[-1] for i in info.inputs)
+        inputs = "\n".join(i.rsplit(".", 1)[-1] for i in info.inputs)
         table.add_row(info.name, str(info.kind), "yes" if info.name in enabled else "", inputs, info.doc)
     return table
 

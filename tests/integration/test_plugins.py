@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from dataclasses import astuple
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, version
 from typing import Any
 
 import pytest
@@ -77,6 +77,8 @@ def test_a_plugin_is_a_class_behind_an_entry_point() -> None:
         "module": "tests.plugin_example",
         "doc": "Flags tool outputs over 10,000 characters.",
         "entry_point": "tests.plugin_example:LongOutput",
+        "distribution": "",  # an entry point made here, not installed: no distribution
+        "version": "",
     }
 
 
@@ -148,14 +150,31 @@ def test_treadle_processors_lists_name_kind_inputs_module_and_doc() -> None:
         "module": "processors.safety.evaluator",
         "doc": SafetyEvaluator.__doc__.strip().splitlines()[0],
         "entry_point": "processors.safety.evaluator:SafetyEvaluator",
+        "distribution": "treadle",
+        "version": version("treadle"),
         "enabled": True,
     }
     assert rows["steps"]["kind"] == "core" and rows["steps"]["enabled"] is True
 
-    table = runner.invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "steps", "COLUMNS": "160"})
+    table = runner.invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "steps", "COLUMNS": "80"})
     assert table.exit_code == 0, table.output
-    [safety_line] = [line for line in table.stdout.splitlines() if " safety " in line]
-    assert "evaluator" in safety_line and "ToolResult" in table.stdout and "processors.safety.evaluator" in safety_line
+    lines = table.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, "usable at 80 columns"
+    [safety_line] = [line for line in lines if line.startswith("safety ")]
+    assert "evaluator" in safety_line and "ToolResult" in table.stdout
+    doc = " ".join(" ".join(line.split()) for line in lines)
+    assert "PII" in doc, "the doc column is shown (wrapped), not cut off"
+
+
+def test_treadle_processors_flags_an_enabled_name_that_no_package_provides() -> None:
+    done = CliRunner().invoke(app, ["processors", "--json"], env={"TREADLE_PROCESSORS": "steps,my_new_source"})
+    assert done.exit_code == 1
+    assert [json.loads(line)["name"] for line in done.stdout.splitlines()] == ProcessorRegistry.discover().names
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: TREADLE_PROCESSORS names my_new_source, which no installed package provides")
+    assert "pip install -e" in line and "reinstall" in line
+    table = CliRunner().invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "nope", "COLUMNS": "80"})
+    assert table.exit_code == 1 and "names nope" in table.stderr and "Traceback" not in table.output
 
 
 def test_treadle_processors_reports_a_broken_plugin_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
