@@ -11,6 +11,7 @@ instantiates it with no arguments and passes settings to its `setup`.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -117,7 +118,8 @@ class ProcessorRegistry:
         try:
             loaded = entry_point.load()
         except Exception as exc:
-            raise PluginError(f"processor plugin {_label(entry_point)} failed to import: {exc!r}") from exc
+            hint = _import_hint(entry_point, exc)
+            raise PluginError(f"processor plugin {_label(entry_point)} failed to import: {exc!r}{hint}") from exc
         self._check(entry_point, loaded)
         return loaded
 
@@ -172,6 +174,21 @@ class ProcessorRegistry:
                 )
             )
         return infos, errors
+
+
+def _import_hint(entry_point: importlib.metadata.EntryPoint, exc: Exception) -> str:
+    """Why an installed plugin may not import: its module is missing, or a folder of the same name (in the current
+    directory, say) shadows it; both are packaging problems, not bugs in the plugin."""
+    top = entry_point.module.split(".", 1)[0]
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".", 1)[0] == top:
+        return (f"; the module {top!r} is not importable here: reinstall the plugin's package (pip install -e "
+                "<plugin folder>), with its module under src/ as `treadle plugin new` lays it out")  # fmt: skip
+    module = sys.modules.get(entry_point.module)
+    if module is not None and getattr(module, "__file__", None) is None:
+        where = ", ".join(getattr(module, "__path__", [])) or "a folder"
+        return (f"; {entry_point.module!r} resolved to {where}, a folder without __init__.py, not the installed "
+                "plugin: a folder of that name where the worker starts shadows it (src/ layouts avoid it)")  # fmt: skip
+    return ""
 
 
 def _first_line(doc: str | None) -> str:

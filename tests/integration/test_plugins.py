@@ -298,3 +298,19 @@ def test_metric_ids_depend_only_on_the_judged_event() -> None:
     record = tool_result("l-1", 2, "x@example.com")
     other = {**record, "envelope": envelope("s-1", "l-1", 2, event_id=record["envelope"]["event_id"], event_time=1)}
     assert [m["metric_id"] for m in judge(TOOL_RESULT, record)] == [m["metric_id"] for m in judge(TOOL_RESULT, other)]
+
+
+def test_an_import_failure_says_whether_the_module_is_missing_or_shadowed(tmp_path, monkeypatch) -> None:
+    missing = registry(entry("gone_plugin", "gone_plugin_module_xyz:Thing"))
+    with pytest.raises(PluginError, match=r"not importable here: reinstall the plugin's package \(pip install -e"):
+        missing.load("gone_plugin")
+    (tmp_path / "shadowed_plugin_xyz").mkdir()  # the package folder, without __init__.py, where the worker starts
+    (tmp_path / "shadowed_plugin_xyz" / "notes.txt").write_text("not the plugin")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "shadowed_plugin_xyz", raising=False)
+    shadowed = registry(entry("shadowed", "shadowed_plugin_xyz:Thing"))
+    try:
+        with pytest.raises(PluginError, match="a folder of that name where the worker starts shadows it"):
+            shadowed.load("shadowed")
+    finally:
+        sys.modules.pop("shadowed_plugin_xyz", None)
