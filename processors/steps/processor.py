@@ -218,13 +218,14 @@ class StepProcessor:
         touched: dict[bytes, _Touched] = {}
         newest: dict[tuple[int, str], int] = {}  # (partition, topic) -> newest event time in the batch
         joined_at = time.time()
-        watch = self.source_watch
+        signalled: set[str] = set()  # reward sources heard in this batch, and whether steps arrived (SourceWatch)
+        dispatched = False
         for event in events:
             env = event.record["envelope"]
             if event.schema_name == REWARD:
-                watch.saw_signal(event.record["source"], joined_at)
+                signalled.add(event.record["source"])
             elif event.schema_name == DISPATCH:
-                watch.saw_dispatch(joined_at)
+                dispatched = True
             where = (event.source.partition, event.source.topic)
             if env["event_time"] > newest.get(where, -1):
                 newest[where] = env["event_time"]
@@ -258,6 +259,7 @@ class StepProcessor:
                     entry.repeated = True
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
+        self.source_watch.saw(joined_at, signalled, dispatched)
         for (partition, topic), event_time in newest.items():
             self.watermarks.observe(partition, topic, event_time)
         catching_up: dict[int, bool] = {}
@@ -347,19 +349,19 @@ class StepProcessor:
                     await self._expire_due(partition, progress, ctx)
 
     def _check_sources(self, ctx: ProcessingContext) -> None:
-        """Warn (log + treadle_required_source_silent) when a source the active policy requires has sent nothing for
-        longer than its window while steps kept arriving: those steps stay pending until it does."""
+        """Warn (log + treadle_required_source_silent) when a step has waited longer than its window for a source the
+        active policy requires, which has sent nothing since: such steps stay pending until it does (SourceWatch)."""
         now = time.time()
         policy = self.assembler.policies.for_dispatch(int(now * 1_000_000))
         silent, recovered = self.source_watch.check(policy, now)
         for quiet in silent:
             ctx.metrics.required_source_silent.labels(quiet.source).set(1)
-            heard = "nothing since this worker started" if not quiet.ever_seen else "nothing"
-            log.warning("reward source %r is required by reward policy %r but has sent %s for %.0f s, longer than "
-                        "its window (%.0f s), while steps kept arriving: they stay pending until it sends. Enable "
+            heard = "" if quiet.ever_seen else " (nothing since this worker started)"
+            log.warning("reward source %r is required by reward policy %r but has sent nothing for %.0f s%s, longer "
+                        "than its window (%.0f s), while steps wait for it: they stay pending until it sends. Enable "
                         "the processor that emits it (TREADLE_PROCESSORS; `treadle processors` lists them), start "
                         "the job that sends it, or make it optional in the policy", quiet.source, policy.version,
-                        heard, quiet.silent_s, quiet.window_s)  # fmt: skip
+                        quiet.silent_s, heard, quiet.window_s)  # fmt: skip
         for source in recovered:
             ctx.metrics.required_source_silent.labels(source).set(0)
             log.info("reward source %r is sending again (or no longer required)", source)

@@ -2,8 +2,8 @@
 
 A policy that requires a source nobody emits (a plugin not enabled, a reward job that stopped, a misspelt source
 name) leaves every step pending until its window and grace pass. This watch notices first: a source the active policy
-requires is *silent* when steps kept arriving (dispatches) but no signal from it came for longer than its window.
-Processing time, not event time: it answers "is anything emitting it now", and a backlog replay does not trip it.
+requires is *silent* when a step arrived (a dispatch) after its last signal and it has sent nothing for longer than its
+window since. Processing time, not event time: it answers "is anything emitting it now".
 """
 
 from __future__ import annotations
@@ -16,43 +16,52 @@ from processors.steps.policy import RewardPolicy
 @dataclass(frozen=True)
 class Silence:
     source: str
-    silent_s: float  # since its last signal, or since steps started arriving if it never sent one
+    silent_s: float  # how long the first step it has not answered has waited
     window_s: float
     ever_seen: bool
 
 
 @dataclass
 class SourceWatch:
-    """When each reward source last sent a signal, and since when steps have been arriving (processing time, s)."""
+    """When each reward source last sent a signal and when the first step after it arrived (processing time, s)."""
 
     last_signal: dict[str, float] = field(default_factory=dict)
-    steps_since: float | None = None  # the first dispatch seen by this worker
+    first_step: float | None = None  # the first dispatch this worker saw: steps wait from then for a source never seen
+    step_after: dict[str, float] = field(default_factory=dict)  # source -> first dispatch after its last signal
     silent: set[str] = field(default_factory=set)  # sources reported silent and not heard from since
 
-    def saw_dispatch(self, now: float) -> None:
-        if self.steps_since is None:
-            self.steps_since = now
+    def saw(self, now: float, sources: set[str], dispatched: bool) -> None:
+        """One batch: the sources that sent signals in it, and whether it held dispatches (counted after them)."""
+        for source in sources:
+            self.last_signal[source] = now
+            self.step_after.pop(source, None)
+        if dispatched:
+            if self.first_step is None:
+                self.first_step = now
+            for source in self.last_signal:
+                self.step_after.setdefault(source, now)
 
-    def saw_signal(self, source: str, now: float) -> None:
-        self.last_signal[source] = now
+    def waiting_since(self, source: str) -> float | None:
+        """Since when steps have waited for `source` (the first dispatch it has not answered), or None."""
+        if source in self.last_signal:
+            return self.step_after.get(source)
+        return self.first_step
 
     def check(self, policy: RewardPolicy, now: float) -> tuple[list[Silence], list[str]]:
         """(required sources that fell silent since the last check, sources that spoke again since then)."""
-        if self.steps_since is None:
-            return [], []
         newly, recovered = [], []
-        for spec in policy.required:
-            heard = self.last_signal.get(spec.source)
-            since = max(heard, self.steps_since) if heard is not None else self.steps_since
-            quiet = now - since > spec.window_s
-            if quiet and spec.source not in self.silent:
-                self.silent.add(spec.source)
-                newly.append(Silence(spec.source, now - since, spec.window_s, heard is not None))
-            elif not quiet and spec.source in self.silent:
-                self.silent.discard(spec.source)
-                recovered.append(spec.source)
-        required = {spec.source for spec in policy.required}
-        for gone in sorted(self.silent - required):  # no longer required (a new policy): not silent any more
+        required = {spec.source: spec for spec in policy.required}  # one window per source: the last spec's
+        for source, spec in required.items():
+            since = self.waiting_since(source)
+            quiet = since is not None and now - since > spec.window_s
+            if quiet and source not in self.silent:
+                self.silent.add(source)
+                assert since is not None
+                newly.append(Silence(source, now - since, spec.window_s, source in self.last_signal))
+            elif not quiet and source in self.silent:
+                self.silent.discard(source)
+                recovered.append(source)
+        for gone in sorted(self.silent - set(required)):  # no longer required (a new policy): not silent any more
             self.silent.discard(gone)
             recovered.append(gone)
         return newly, recovered

@@ -244,8 +244,8 @@ class WorkerMetrics:
         )
         self.required_source_silent = Gauge(
             "treadle_required_source_silent",
-            "1 while a reward source the active policy requires has sent nothing for longer than its window while "
-            "steps arrived (they wait for it), else 0; by source.",
+            "1 while a step has waited longer than its window for a reward source the active policy requires, "
+            "which has sent nothing since the step arrived; else 0; by source.",
             ["source"],
             registry=r,
         )
