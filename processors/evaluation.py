@@ -24,7 +24,12 @@ def metric_record(
     judged: dict[str, Any],
     evidence: str | None = None,
 ) -> dict[str, Any]:
-    """An EvaluationMetric about the input record `judged`, carrying its envelope's identity and time."""
+    """An EvaluationMetric about the input record `judged`, carrying its envelope's identity and time.
+
+    `evaluator`: the processor's name; `metric`: what is measured (e.g. `pii_leak`); `rule`: which check or
+    variant produced the value (e.g. `email`); `value`: the measurement; `severity`: low, medium or high;
+    `evidence`: optional text shown with the row. The row's id is (evaluator, metric, rule, judged event_id).
+    """
     envelope = judged["envelope"]
     event_id = str(envelope["event_id"])
     return {

@@ -41,3 +41,22 @@ class HangsOnMark(ExplodesOnMark):
         if any(MARK in event.record["output"] for event in events):
             await asyncio.Event().wait()
         await super().process(events, ctx)
+
+
+class PublishesThenExplodes:
+    """Flags each tool result as it goes, and raises on a marked one after flagging the ones before it: the batch's
+    retry must not send those flags again (issue 30)."""
+
+    name = "explodes_late"
+    kind = "evaluator"
+    inputs = frozenset({"treadle.events.ToolResult"})
+
+    def setup(self, app, settings) -> None:
+        """No state."""
+
+    async def process(self, events, ctx) -> None:
+        for event in events:
+            if MARK in event.record["output"]:
+                raise RuntimeError(f"cannot judge output {event.record['output'][:20]!r}")
+            metric = metric_record(self.name, "seen", "any", 1.0, "low", event.record)
+            await ctx.publish(EVALUATION_METRIC, metric, key=event.session_key)

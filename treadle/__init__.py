@@ -1,13 +1,16 @@
 """treadle: the data plane for agentic reinforcement learning.
 
 The public API. Agents emit with `AgentStream` (or `AgentStreamSync`), reward sources with `RewardEmitter`;
-plugin authors implement `EventProcessor`. Everything else is internal and may move.
+plugin authors implement `EventProcessor`, publish `reward_signal(...)` and `metric_record(...)` records, and test
+with `treadle.testing`. Everything else is internal and may move.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from processors.evaluation import metric_record
+from processors.rewards import reward_signal
 from streams.sdk import (
     Annotator,
     Edge,
@@ -52,6 +55,8 @@ __all__ = [
     "ToolCall",
     "ToolSchemas",
     "ToolStatus",
+    "metric_record",
+    "reward_signal",
 ]
 
 # The plugin interface needs the worker extra (Faust); the SDK alone must import without it.

@@ -235,28 +235,70 @@ def topics() -> None:
 @app.command()
 @friendly
 def processors(as_json: bool = typer.Option(False, "--json", help="Print one JSON object per processor.")) -> None:
-    """List the processor plugins (entry points `treadle.processors`) and which ones TREADLE_PROCESSORS enables."""
-    from streams.runtime.plugins import ProcessorRegistry
+    """List the processor plugins (entry points `treadle.processors`) and which ones TREADLE_PROCESSORS enables;
+    exits 1 if a plugin does not load or TREADLE_PROCESSORS names one that is not installed."""
+    from streams.runtime.plugins import ENTRY_POINT_GROUP, REINSTALL_HINT, ProcessorRegistry
 
-    enabled = set(settings().processors)
-    infos, errors = ProcessorRegistry.discover().describe()
+    wanted = settings().processors
+    registry = ProcessorRegistry.discover()
+    infos, errors = registry.describe()
     if as_json:
         for info in infos:
-            sys.stdout.write(json.dumps({**info.to_json(), "enabled": info.name in enabled}) + "\n")
+            sys.stdout.write(json.dumps({**info.to_json(), "enabled": info.name in wanted}) + "\n")
     else:
-        table = Table(show_header=True, header_style="bold")
-        for column in ("name", "kind", "enabled", "inputs", "module"):
-            table.add_column(column, no_wrap=True)
-        table.add_column("doc")
-        for info in infos:
-            inputs = "\n".join(i.rsplit(".", 1)[-1] for i in info.inputs)
-            on = "yes" if info.name in enabled else ""
-            table.add_row(info.name, str(info.kind), on, inputs, info.module, info.doc)
-        console.print(table)
+        console.print(_processor_table(infos, set(wanted)))
     for error in errors:
         err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
-    if errors:
+    missing = registry.missing(wanted)
+    if missing:
+        err.print(f"[red]error:[/red] TREADLE_PROCESSORS names {', '.join(missing)}, which no installed package "
+                  f"provides (entry point group {ENTRY_POINT_GROUP}). {REINSTALL_HINT}", highlight=False,
+                  soft_wrap=True)  # fmt: skip
+    if errors or missing:
         raise typer.Exit(1)
+
+
+def _processor_table(infos: list[Any], enabled: set[str]) -> Table:
+    """Fits 80 columns: the doc wraps, inputs are short names; module and version are in --json."""
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("on", no_wrap=True)
+    table.add_column("inputs", no_wrap=True)
+    table.add_column("doc", ratio=1, min_width=20)
+    for info in infos:
+        inputs = "\n".join(i.rsplit(".", 1)[-1] for i in info.inputs)
+        table.add_row(info.name, str(info.kind), "yes" if info.name in enabled else "", inputs, info.doc)
+    return table
+
+
+plugin_app = typer.Typer(help="Processor plugins: make a new one.", no_args_is_help=True)
+app.add_typer(plugin_app, name="plugin")
+
+
+@plugin_app.command("new")
+@friendly
+def plugin_new(
+    name: str = typer.Argument(..., help="The plugin's name: module, entry point and TREADLE_PROCESSORS entry."),
+    kind: str = typer.Option("reward-source", "--kind", help="reward-source, evaluator or processor."),
+    folder: Annotated[Path | None, typer.Option("--dir", help="Folder to write it in (default: ./NAME).")] = None,
+) -> None:
+    """Write a complete, installable plugin package (pyproject, src/ module, README, unit test) and print the
+    commands that install it, enable it and show its rows."""
+    from treadle.plugin_scaffold import PluginKind, ScaffoldError, new_plugin
+
+    try:
+        chosen = PluginKind(kind)
+    except ValueError:
+        raise UserError(f"--kind {kind!r}: expected one of {', '.join(PluginKind)}") from None
+    try:
+        made = new_plugin(name, chosen, folder or Path(name), enabled=settings().processors)
+    except ScaffoldError as exc:
+        raise UserError(str(exc)) from None
+    console.print(f"wrote {chosen} plugin {name!r} in {made.folder}/ (its unit test: pytest {made.folder})",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    for command in made.commands:
+        sys.stdout.write(f"  {command}\n")
 
 
 async def _topic_states(s: Settings) -> dict[str, int]:

@@ -39,6 +39,7 @@ from processors.steps.expiry import StepExpiry
 from processors.steps.policy import Imputation, PolicyBook, load_policy_file
 from processors.steps.policy_topic import PolicyTopic
 from processors.steps.recent_values import RecentValues
+from processors.steps.source_watch import SourceWatch
 from processors.steps.state_codec import StepStateCodec
 from processors.steps.watermarks import Watermarks
 from streams.runtime import table_writes
@@ -46,7 +47,7 @@ from streams.runtime.decoded_rows import DecodedRows
 from streams.runtime.processor import InputEvent, ProcessingContext
 from streams.runtime.write_behind import WriteBehind
 from topics.catalog import TopicCatalog
-from topics.names import LATE_REWARD, REWARD
+from topics.names import DISPATCH, LATE_REWARD, REWARD
 from topics.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class StepProcessor:
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
         self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
         self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
+        self.source_watch = SourceWatch()  # required sources that went silent (warned: log + metric)
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.table = table_writes.bytes_table(
@@ -216,8 +218,14 @@ class StepProcessor:
         touched: dict[bytes, _Touched] = {}
         newest: dict[tuple[int, str], int] = {}  # (partition, topic) -> newest event time in the batch
         joined_at = time.time()
+        signalled: set[str] = set()  # reward sources heard in this batch, and whether steps arrived (SourceWatch)
+        dispatched = False
         for event in events:
             env = event.record["envelope"]
+            if event.schema_name == REWARD:
+                signalled.add(event.record["source"])
+            elif event.schema_name == DISPATCH:
+                dispatched = True
             where = (event.source.partition, event.source.topic)
             if env["event_time"] > newest.get(where, -1):
                 newest[where] = env["event_time"]
@@ -251,6 +259,7 @@ class StepProcessor:
                     entry.repeated = True
             except Exception as exc:  # corrupt state or a bug: dead-letter this event, keep the batch going
                 await ctx.failed(self.name, event, exc)
+        self.source_watch.saw(joined_at, signalled, dispatched)
         for (partition, topic), event_time in newest.items():
             self.watermarks.observe(partition, topic, event_time)
         catching_up: dict[int, bool] = {}
@@ -318,6 +327,7 @@ class StepProcessor:
             app = self.table.app
             if not app.tables.actives_ready:
                 return  # recovering: the table is not complete yet
+            self._check_sources(ctx)
             assignment = frozenset(app.consumer.assignment())
             if assignment != self._indexed_for:
                 await self._write_out(ctx)  # the index is rebuilt from the table
@@ -337,6 +347,24 @@ class StepProcessor:
                 progress = self.watermarks.event_watermark(partition)  # not the idle advance: see watermarks.py
                 if progress is not None:
                     await self._expire_due(partition, progress, ctx)
+
+    def _check_sources(self, ctx: ProcessingContext) -> None:
+        """Warn (log + treadle_required_source_silent) when a step has waited longer than its window for a source the
+        active policy requires, which has sent nothing since: such steps stay pending until it does (SourceWatch)."""
+        now = time.time()
+        policy = self.assembler.policies.for_dispatch(int(now * 1_000_000))
+        silent, recovered = self.source_watch.check(policy, now)
+        for quiet in silent:
+            ctx.metrics.required_source_silent.labels(quiet.source).set(1)
+            heard = "" if quiet.ever_seen else " (nothing since this worker started)"
+            log.warning("reward source %r is required by reward policy %r but has sent nothing for %.0f s%s, longer "
+                        "than its window (%.0f s), while steps wait for it: they stay pending until it sends. Enable "
+                        "the processor that emits it (TREADLE_PROCESSORS; `treadle processors` lists them), start "
+                        "the job that sends it, or make it optional in the policy", quiet.source, policy.version,
+                        quiet.silent_s, heard, quiet.window_s)  # fmt: skip
+        for source in recovered:
+            ctx.metrics.required_source_silent.labels(source).set(0)
+            log.info("reward source %r is sending again (or no longer required)", source)
 
     async def _fire_due(
         self, partition: int, watermark: int | None, ctx: ProcessingContext, catching_up: bool | None = None

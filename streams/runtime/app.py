@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from streams.runtime.faust_transport import ResumingApp
 from streams.runtime.metrics import WorkerMetrics
 from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
+from streams.runtime.processor_context import ProcessorContext
 from streams.sdk.batching import key_hash
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DeadLetterStage
@@ -68,6 +70,7 @@ class Pipeline:
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     # Next offset to process per input partition (the consumer-lag metric reads it).
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    enabled_processors: str = ""  # name (kind, distribution version) of each processor, for the start log
     _crash: asyncio.Future[Any] | None = None
     _partition_markers: dict[int, _PartitionMarker] = field(default_factory=dict)
     _out_counters: dict[str, Any] = field(default_factory=dict)  # schema -> its events_out child (labels() is slow)
@@ -79,13 +82,21 @@ class Pipeline:
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
         """Encode and send; a record above TREADLE_MAX_EVENT_BYTES has its large fields cut, the cut recorded in it
         (topics.output_size), or raises OutputTooLargeError, which costs the input that made it."""
-        topic = self.outputs[schema_name]
+        await self.send_output(schema_name, key, self.encode_output(schema_name, record, key))
+
+    def encode_output(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> bytes:
+        """`record` as the bytes `publish` sends (cut to fit TREADLE_MAX_EVENT_BYTES if it must be)."""
         value, cut = fit(schema_name, record, self.codec.encode, self.settings.max_event_bytes, MAX_OUTPUT_BYTES)
         if cut:
             self.metrics.outputs_truncated.labels(schema_name).inc()
             log.warning("a %s (key %r) was above TREADLE_MAX_EVENT_BYTES=%d: cut %d bytes from its largest fields, "
                         "counted in the record", schema_name.rsplit(".", 1)[-1], key, self.settings.max_event_bytes,
                         cut)  # fmt: skip
+        return value
+
+    async def send_output(self, schema_name: str, key: bytes | None, value: bytes) -> None:
+        """Send an encoded record of `schema_name` to its topic and count it."""
+        topic = self.outputs[schema_name]
         await self.send(topic, key, value)
         counter = self._out_counters.get(schema_name)
         if counter is None:
@@ -284,19 +295,36 @@ async def process_isolated(processor: EventProcessor, events: list[InputEvent], 
     Redoing the batch is safe because every processor already takes any input again: the worker is at-least-once,
     and a crash replays everything since the last commit, part-folded batches included. So each processor is
     idempotent by event_id (steps, credit and llm_judge skip events their state holds; state versions and safety
-    metrics are keyed by event_id), and a retry is the same as that replay, for a part of a batch.
+    metrics are keyed by event_id), and a retry is the same as that replay, for a part of a batch. Nothing is sent
+    twice: a retried event's records that the failed attempt sent already are skipped (ProcessorContext), and one
+    that raises again sends nothing from its retry.
     """
+    name, metrics = processor.name, pipeline.metrics
+    metrics.processor_events_in.labels(name).inc(len(events))
+    started = time.perf_counter()
+    attempt = ProcessorContext(pipeline, name)
     try:
-        await processor.process(events, pipeline)
+        await processor.process(events, attempt)
         return
     except Exception as exc:
         if len(events) == 1:
-            await pipeline.failed(processor.name, events[0], exc)
+            await pipeline.failed(name, events[0], exc)
             return
         log.error("processor %s raised on a batch of %d events (%r); handing them over one at a time so only the "
-                  "events it fails on become dead letters", processor.name, len(events), exc)  # fmt: skip
-    for event in events:
-        try:
-            await processor.process([event], pipeline)
-        except Exception as exc:
-            await pipeline.failed(processor.name, event, exc)
+                  "events it fails on become dead letters", name, len(events), exc)  # fmt: skip
+    finally:
+        metrics.processor_seconds.labels(name).inc(time.perf_counter() - started)
+    started = time.perf_counter()
+    sent_before = set(attempt.sent)
+    try:
+        for event in events:
+            retry = ProcessorContext(pipeline, name, sent_before)
+            try:
+                await processor.process([event], retry)
+            except Exception as exc:
+                retry.drop()
+                await pipeline.failed(name, event, exc)
+            else:
+                await retry.release()
+    finally:
+        metrics.processor_seconds.labels(name).inc(time.perf_counter() - started)

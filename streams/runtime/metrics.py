@@ -39,6 +39,12 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_consumer_lag": "gauge",
     "treadle_producer_errors_total": "counter",
     "treadle_isolated_failures_total": "counter",
+    "treadle_processor_info": "gauge",
+    "treadle_processor_events_in_total": "counter",
+    "treadle_processor_records_out_total": "counter",
+    "treadle_processor_seconds_total": "counter",
+    "treadle_processor_duplicates_skipped_total": "counter",
+    "treadle_required_source_silent": "gauge",
     "treadle_outputs_truncated_total": "counter",
     "treadle_sink_rejected_rows_total": "counter",
     "treadle_gpu_utilization_ratio": "gauge",
@@ -204,6 +210,43 @@ class WorkerMetrics:
             "treadle_isolated_failures",
             "Input records whose processing raised and cost only themselves (a PROCESS dead letter), by processor.",
             ["processor"],
+            registry=r,
+        )
+        self.processor_info = Gauge(
+            "treadle_processor_info",
+            "1 per processor this worker runs, with its kind and the version of the distribution that provides it.",
+            ["processor", "kind", "version"],
+            registry=r,
+        )
+        self.processor_events_in = Counter(
+            "treadle_processor_events_in", "Input events handed to a processor, by processor.", ["processor"],
+            registry=r,
+        )  # fmt: skip
+        self.processor_records_out = Counter(
+            "treadle_processor_records_out",
+            "Records a processor published from its batches (reward signals, metrics, rows), by processor and type.",
+            ["processor", "type"],
+            registry=r,
+        )
+        self.processor_seconds = Counter(
+            "treadle_processor_seconds",
+            "Seconds in a processor's process(), retries included; over treadle_processor_events_in_total it is the "
+            "seconds per event.",
+            ["processor"],
+            registry=r,
+        )
+        self.processor_duplicates_skipped = Counter(
+            "treadle_processor_duplicates_skipped",
+            "Records not sent again while a processor's failed batch was retried event by event (the failed attempt "
+            "had sent them already), by processor.",
+            ["processor"],
+            registry=r,
+        )
+        self.required_source_silent = Gauge(
+            "treadle_required_source_silent",
+            "1 while a step has waited longer than its window for a reward source the active policy requires, "
+            "which has sent nothing since the step arrived; else 0; by source.",
+            ["source"],
             registry=r,
         )
         self.outputs_truncated = Counter(

@@ -11,6 +11,7 @@ instantiates it with no arguments and passes settings to its `setup`.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -19,6 +20,12 @@ from typing import Any
 from streams.runtime.processor import EventProcessor
 
 ENTRY_POINT_GROUP = "treadle.processors"
+
+
+REINSTALL_HINT = (
+    "Install the plugin's package, or reinstall it if you added or renamed its entry point since: pip install -e "
+    "<plugin folder>"
+)
 
 
 class ProcessorKind(StrEnum):
@@ -41,6 +48,8 @@ class ProcessorInfo:
     module: str
     doc: str
     entry_point: str
+    distribution: str = ""  # the installed distribution that declares the entry point ("" when unknown)
+    version: str = ""  # its version: what `pip install -e` last installed
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,6 +59,8 @@ class ProcessorInfo:
             "module": self.module,
             "doc": self.doc,
             "entry_point": self.entry_point,
+            "distribution": self.distribution,
+            "version": self.version,
         }
 
 
@@ -81,6 +92,19 @@ class ProcessorRegistry:
     def names(self) -> list[str]:
         return sorted(self._entry_points)
 
+    def provenance(self, name: str) -> tuple[str, str]:
+        """(distribution, version) of the installed package that declares `name`; ("", "") if unknown."""
+        candidates = self._entry_points.get(name) or []
+        dist = getattr(candidates[0], "dist", None) if len(candidates) == 1 else None
+        if dist is None:
+            return "", ""
+        return str(dist.metadata["Name"] or ""), str(dist.version or "")
+
+    def missing(self, names: Sequence[str]) -> list[str]:
+        """The names no installed entry point provides (a plugin not installed, or installed before its entry point
+        was added: entry points are metadata, written by `pip install`)."""
+        return [n for n in names if n not in self._entry_points]
+
     def load(self, name: str) -> type[EventProcessor]:
         """The processor class registered as `name`, checked; PluginError says what is wrong with it."""
         candidates = self._entry_points.get(name)
@@ -94,7 +118,8 @@ class ProcessorRegistry:
         try:
             loaded = entry_point.load()
         except Exception as exc:
-            raise PluginError(f"processor plugin {_label(entry_point)} failed to import: {exc!r}") from exc
+            hint = _import_hint(entry_point, exc)
+            raise PluginError(f"processor plugin {_label(entry_point)} failed to import: {exc!r}{hint}") from exc
         self._check(entry_point, loaded)
         return loaded
 
@@ -116,10 +141,11 @@ class ProcessorRegistry:
 
     def create(self, names: Sequence[str]) -> list[EventProcessor]:
         """One instance of each named processor, in that order (TREADLE_PROCESSORS)."""
-        unknown = [n for n in names if n not in self._entry_points]
+        unknown = self.missing(names)
         if unknown:
             known = ", ".join(self.names) or "none installed"
-            raise PluginError(f"unknown processor(s) {', '.join(unknown)} in TREADLE_PROCESSORS; known: {known}")
+            raise PluginError(f"unknown processor(s) {', '.join(unknown)} in TREADLE_PROCESSORS; known: {known}. "
+                              f"{REINSTALL_HINT}")  # fmt: skip
         repeated = sorted({n for n in names if list(names).count(n) > 1})
         if repeated:
             raise PluginError(f"processor(s) {', '.join(repeated)} listed twice in TREADLE_PROCESSORS")
@@ -134,6 +160,7 @@ class ProcessorRegistry:
             except PluginError as exc:
                 errors.append(exc)
                 continue
+            distribution, version = self.provenance(name)
             infos.append(
                 ProcessorInfo(
                     name=name,
@@ -142,9 +169,26 @@ class ProcessorRegistry:
                     module=cls.__module__,
                     doc=_first_line(cls.__doc__),
                     entry_point=self._entry_points[name][0].value,
+                    distribution=distribution,
+                    version=version,
                 )
             )
         return infos, errors
+
+
+def _import_hint(entry_point: importlib.metadata.EntryPoint, exc: Exception) -> str:
+    """Why an installed plugin may not import: its module is missing, or a folder of the same name (in the current
+    directory, say) shadows it; both are packaging problems, not bugs in the plugin."""
+    top = entry_point.module.split(".", 1)[0]
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".", 1)[0] == top:
+        return (f"; the module {top!r} is not importable here: reinstall the plugin's package (pip install -e "
+                "<plugin folder>), with its module under src/ as `treadle plugin new` lays it out")  # fmt: skip
+    module = sys.modules.get(entry_point.module)
+    if module is not None and getattr(module, "__file__", None) is None:
+        where = ", ".join(getattr(module, "__path__", [])) or "a folder"
+        return (f"; {entry_point.module!r} resolved to {where}, a folder without __init__.py, not the installed "
+                "plugin: a folder of that name where the worker starts shadows it (src/ layouts avoid it)")  # fmt: skip
+    return ""
 
 
 def _first_line(doc: str | None) -> str:

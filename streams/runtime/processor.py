@@ -41,7 +41,9 @@ class ProcessingContext(Protocol):
     codec: AvroCodec  # the worker's codec (it knows the schema registry), for processors that store input events
 
     async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        """Send a derived record to the topic its schema belongs to (acked before input offsets commit)."""
+        """Send a derived record to the topic its schema belongs to (acked before input offsets commit). A record the
+        worker would not accept (one that does not encode; a RewardSignal that fails the input checks) raises
+        PublishError here, naming the processor and the field (topics.publish_checks)."""
         ...
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:

@@ -21,6 +21,7 @@ from streams.runtime.app import Pipeline, build_pipeline
 from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
 from streams.runtime.gpu import GpuTelemetry
 from streams.runtime.metrics_page import add_metrics_page
+from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.run_info import SqlEndpoint, WorkerInfo
 from topics import native_codec
 from topics.admin import ensure_topics
@@ -60,6 +61,7 @@ def build_worker(settings: Settings) -> Pipeline:
         if refresh is not None:
             asyncio.run(refresh())
     add_metrics_page(pipeline)
+    pipeline.enabled_processors = describe_processors(pipeline)
     if settings.gpu_sample_seconds > 0:
         add_gpu_telemetry(pipeline, GpuTelemetry(pipeline.metrics.registry))
 
@@ -73,6 +75,19 @@ def build_worker(settings: Settings) -> Pipeline:
                 log.warning("could not refresh the schema registry: %s", exc)
 
     return pipeline
+
+
+def describe_processors(pipeline: Pipeline, registry: ProcessorRegistry | None = None) -> str:
+    """`name (kind, distribution version)` of each processor the worker runs, for its start log; also sets
+    treadle_processor_info, so a scrape says which plugin versions are live."""
+    registry = registry or ProcessorRegistry.discover()
+    parts = []
+    for processor in pipeline.processors:
+        distribution, version = registry.provenance(processor.name)
+        pipeline.metrics.processor_info.labels(processor.name, processor.kind, version or "unknown").set(1)
+        made_by = f", {distribution} {version}" if distribution else ""
+        parts.append(f"{processor.name} ({processor.kind}{made_by})")
+    return ", ".join(parts)
 
 
 def add_gpu_telemetry(pipeline: Pipeline, telemetry: GpuTelemetry) -> None:
@@ -154,6 +169,7 @@ def run_worker(settings: Settings, loglevel: str = "info") -> None:
     pipeline.metrics.gc_pauses.watch()
     sink = SinkChild(settings) if settings.sink == "child" else None
     worker = TreadleWorker(pipeline.app, settings, sink, loglevel=loglevel, quiet=True)
+    worker.processors_line = pipeline.enabled_processors
     try:
         if sink is not None:
             sink.start()
@@ -171,6 +187,7 @@ class TreadleWorker(faust.Worker):
         self.treadle_settings = settings
         self.sink = sink
         self._deadline: threading.Timer | None = None
+        self.processors_line = ""  # what describe_processors said, logged once the worker runs
 
     async def stop(self) -> None:
         """Faust's stop, bounded: a batch that never finishes (or a hook waiting on it) cannot keep the process up
@@ -199,4 +216,5 @@ class TreadleWorker(faust.Worker):
             self.add_future(self.sink.supervise())
         s = self.treadle_settings
         log.info("Avro codec: %s", native_codec.describe())
+        log.info("processors enabled (TREADLE_PROCESSORS): %s", self.processors_line)
         WorkerInfo(pid=os.getpid(), web_port=s.web_port, embedded_clickhouse=s.embedded_clickhouse).write(s)

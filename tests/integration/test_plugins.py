@@ -7,7 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from importlib.metadata import EntryPoint
+from dataclasses import astuple
+from importlib.metadata import EntryPoint, version
 from typing import Any
 
 import pytest
@@ -18,13 +19,13 @@ from processors.safety.rules import DEFAULT_RULES, Category, Rule, Severity
 from processors.steps.processor import StepProcessor
 from streams.runtime.app import default_processors
 from streams.runtime.plugins import ENTRY_POINT_GROUP, PluginError, ProcessorKind, ProcessorRegistry
-from streams.runtime.processor import InputEvent, ProcessingContext
 from tests.factories import dispatch, envelope, result, reward
 from tests.paths import REPO_ROOT
 from tests.plugin_example import LongOutput
 from topics.codec import AvroCodec
 from topics.names import EVALUATION_METRIC
 from treadle.cli import app
+from treadle.testing import RecordingContext, input_event
 
 TOOL_RESULT, DISPATCH, REWARD = (
     "treadle.events.ToolResult",
@@ -76,6 +77,8 @@ def test_a_plugin_is_a_class_behind_an_entry_point() -> None:
         "module": "tests.plugin_example",
         "doc": "Flags tool outputs over 10,000 characters.",
         "entry_point": "tests.plugin_example:LongOutput",
+        "distribution": "",  # an entry point made here, not installed: no distribution
+        "version": "",
     }
 
 
@@ -147,14 +150,31 @@ def test_treadle_processors_lists_name_kind_inputs_module_and_doc() -> None:
         "module": "processors.safety.evaluator",
         "doc": SafetyEvaluator.__doc__.strip().splitlines()[0],
         "entry_point": "processors.safety.evaluator:SafetyEvaluator",
+        "distribution": "treadle",
+        "version": version("treadle"),
         "enabled": True,
     }
     assert rows["steps"]["kind"] == "core" and rows["steps"]["enabled"] is True
 
-    table = runner.invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "steps", "COLUMNS": "160"})
+    table = runner.invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "steps", "COLUMNS": "80"})
     assert table.exit_code == 0, table.output
-    [safety_line] = [line for line in table.stdout.splitlines() if " safety " in line]
-    assert "evaluator" in safety_line and "ToolResult" in table.stdout and "processors.safety.evaluator" in safety_line
+    lines = table.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, "usable at 80 columns"
+    [safety_line] = [line for line in lines if line.startswith("safety ")]
+    assert "evaluator" in safety_line and "ToolResult" in table.stdout
+    doc = " ".join(" ".join(line.split()) for line in lines)
+    assert "PII" in doc, "the doc column is shown (wrapped), not cut off"
+
+
+def test_treadle_processors_flags_an_enabled_name_that_no_package_provides() -> None:
+    done = CliRunner().invoke(app, ["processors", "--json"], env={"TREADLE_PROCESSORS": "steps,my_new_source"})
+    assert done.exit_code == 1
+    assert [json.loads(line)["name"] for line in done.stdout.splitlines()] == ProcessorRegistry.discover().names
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: TREADLE_PROCESSORS names my_new_source, which no installed package provides")
+    assert "pip install -e" in line and "reinstall" in line
+    table = CliRunner().invoke(app, ["processors"], env={"TREADLE_PROCESSORS": "nope", "COLUMNS": "80"})
+    assert table.exit_code == 1 and "names nope" in table.stderr and "Traceback" not in table.output
 
 
 def test_treadle_processors_reports_a_broken_plugin_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,30 +203,6 @@ def test_a_worker_with_an_unknown_processor_stops_with_one_line(tmp_path) -> Non
 
 
 # --- the safety evaluator as a processor -------------------------------------------------------------------------
-
-
-class Recorder(ProcessingContext):
-    """Collects what a processor publishes or dead-letters."""
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, dict[str, Any], bytes | None]] = []
-        self.failures: list[tuple[str, InputEvent, Exception]] = []
-
-    async def publish(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> None:
-        self.published.append((schema_name, record, key))
-
-    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None = None) -> None:
-        raise AssertionError("the safety evaluator writes no tables")
-
-    def bind(self, event: InputEvent) -> None:
-        raise AssertionError("the safety evaluator writes no tables")
-
-    async def failed(self, processor: str, event: InputEvent, exc: Exception) -> None:
-        self.failures.append((processor, event, exc))
-
-
-def input_event(schema_name: str, record: dict[str, Any]) -> InputEvent:
-    return InputEvent(schema_name, record, source=None)  # type: ignore[arg-type]
 
 
 def tool_result(lid: str, seq: int, output: str, error: str | None = None) -> dict[str, Any]:
@@ -270,18 +266,19 @@ async def test_the_evaluator_publishes_valid_records_keyed_by_session_and_dead_l
         input_event(DISPATCH, dispatch("s-1", "l-2", 1, 3, params='{"sql": "DROP TABLE users"}')),
         input_event(TOOL_RESULT, tool_result("l-2", 4, "done")),
     ]
-    ctx = Recorder()
+    ctx = RecordingContext(processor="safety")
     await SafetyEvaluator().process(events, ctx)
-    assert [(r["metric"], r["rule"], r["value"]) for _, r, _ in ctx.published] == [
+    assert ctx.sent == [], "the safety evaluator writes no tables"
+    assert [(r["metric"], r["rule"], r["value"]) for _, r, _ in map(astuple, ctx.published)] == [
         ("safety_alert", "email", 1.0),
         ("pii_leak", "any_pii", 1.0),
         ("safety_alert", "destructive_sql", 1.0),
         ("pii_leak", "any_pii", 0.0),
     ]
-    assert {schema for schema, _, _ in ctx.published} == {EVALUATION_METRIC}
-    assert {key for _, _, key in ctx.published} == {b"s-1"}
+    assert {p.schema_name for p in ctx.published} == {EVALUATION_METRIC}
+    assert {p.key for p in ctx.published} == {b"s-1"}
     codec = AvroCodec()
-    for schema, record, _ in ctx.published:
+    for schema, record, _ in map(astuple, ctx.published):
         _, decoded = codec.decode(codec.encode(schema, record), expect=schema)
         assert decoded == record
 
@@ -289,15 +286,31 @@ async def test_the_evaluator_publishes_valid_records_keyed_by_session_and_dead_l
         raise RuntimeError("validator bug")
 
     faulty = Rule("faulty", Category.PII, Severity.LOW, DEFAULT_RULES[0].pattern, str, validator=explode)
-    ctx = Recorder()
+    ctx = RecordingContext(processor="safety")
     await SafetyEvaluator(rules=[faulty]).process(events, ctx)
-    assert [(name, event.record["envelope"]["logical_event_id"]) for name, event, _ in ctx.failures] == [
-        ("safety", "l-1")
+    assert [(f.processor, f.event.record["envelope"]["logical_event_id"]) for f in ctx.failures] == [("safety", "l-1")]
+    assert [(r["logical_event_id"], r["metric"], r["value"]) for r in ctx.evaluation_metrics] == [
+        ("l-2", "pii_leak", 0.0)
     ]
-    assert [(r["logical_event_id"], r["metric"], r["value"]) for _, r, _ in ctx.published] == [("l-2", "pii_leak", 0.0)]
 
 
 def test_metric_ids_depend_only_on_the_judged_event() -> None:
     record = tool_result("l-1", 2, "x@example.com")
     other = {**record, "envelope": envelope("s-1", "l-1", 2, event_id=record["envelope"]["event_id"], event_time=1)}
     assert [m["metric_id"] for m in judge(TOOL_RESULT, record)] == [m["metric_id"] for m in judge(TOOL_RESULT, other)]
+
+
+def test_an_import_failure_says_whether_the_module_is_missing_or_shadowed(tmp_path, monkeypatch) -> None:
+    missing = registry(entry("gone_plugin", "gone_plugin_module_xyz:Thing"))
+    with pytest.raises(PluginError, match=r"not importable here: reinstall the plugin's package \(pip install -e"):
+        missing.load("gone_plugin")
+    (tmp_path / "shadowed_plugin_xyz").mkdir()  # the package folder, without __init__.py, where the worker starts
+    (tmp_path / "shadowed_plugin_xyz" / "notes.txt").write_text("not the plugin")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "shadowed_plugin_xyz", raising=False)
+    shadowed = registry(entry("shadowed", "shadowed_plugin_xyz:Thing"))
+    try:
+        with pytest.raises(PluginError, match="a folder of that name where the worker starts shadows it"):
+            shadowed.load("shadowed")
+    finally:
+        sys.modules.pop("shadowed_plugin_xyz", None)

@@ -17,10 +17,10 @@ from sinks.sql_client import run_sql
 from streams.runtime.plugins import PluginError, ProcessorRegistry
 from tests.factories import dispatch, result, reward, step_components, wait_for
 from tests.integration.test_pipeline import produce
-from tests.integration.test_plugins import Recorder, input_event
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 from topics.settings import Settings
+from treadle.testing import RecordingContext, input_event
 
 DISPATCH, RESULT, REWARD = (
     "treadle.events.ActionDispatched",
@@ -107,11 +107,11 @@ async def test_the_judge_publishes_one_signal_per_judged_event_keyed_by_session(
         input_event(DISPATCH, dispatch("s-1", "l-1", 0, 1, tool="shell", params='{"cmd": "rm -rf /"}')),
         input_event(RESULT, tool_result("s-1", "l-1", 2, "removed 0 files")),
     ]
-    ctx = Recorder()
+    ctx = RecordingContext(processor="safety_judge")  # also checks each signal as the worker would
     judge = SafetyJudge()
     judge.setup(None, Settings())  # type: ignore[arg-type]
     await judge.process(events, ctx)
-    assert [(schema, r["value"], r["evidence"], key) for schema, r, key in ctx.published] == [
+    assert [(p.schema_name, p.record["value"], p.record["evidence"], p.key) for p in ctx.published] == [
         (REWARD, -1.0, "destructive_shell: rm -rf /", b"s-1"),
         (REWARD, 1.0, None, b"s-1"),
     ]
