@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from topics.event_checks import event_time_problem, latency_problem, reward_problem
-from topics.names import DISPATCH, REWARD, TOOL_RESULT
+from topics.event_checks import event_time_problem, latency_problem, llm_call_problem, reward_problem
+from topics.names import DISPATCH, LLM_CALL, REWARD, TOOL_RESULT
 from topics.tool_schemas import ToolSchemas
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
@@ -47,4 +47,6 @@ class InputValidator:
             return latency_problem(record["latency_ms"])
         if schema_name == REWARD:
             return reward_problem(record["value"], record["confidence"])
+        if schema_name == LLM_CALL:
+            return llm_call_problem(record)
         return None

@@ -40,6 +40,8 @@ from topics.ids import uuid7
 from topics.names import INPUT_SCHEMAS, REWARD
 from topics.settings import Settings
 
+RECORD_OVERHEAD_BYTES = 512  # a record's key, headers and batch framing, kept free below the producer's request size
+
 
 class _Emitter:
     """What every emitter shares: the producer, the codec, background-send tracking and `seq`."""
@@ -247,6 +249,21 @@ class _Emitter:
             return self._codec.encode(schema, record)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
+
+    def _check_event_size(self, schema: str, value: bytes) -> None:
+        """ValueError naming the size and the limit when an encoded event cannot go to Kafka as one record.
+
+        The limit is the producer's max_request_size less a record's overhead (until one TREADLE_MAX_EVENT_BYTES
+        setting is shared by the SDK and the worker). Raised before a seq is taken, so nothing else is lost.
+        """
+        assert self._batcher is not None
+        limit = self._batcher.max_request_size - RECORD_OVERHEAD_BYTES
+        if len(value) > limit:
+            raise ValueError(
+                f"{schema.rsplit('.', 1)[-1]} event is {len(value):,} bytes encoded, above the {limit:,}-byte limit "
+                "of one Kafka record (the producer's max_request_size less record overhead): send fewer tokens or "
+                "shorter text, or raise max_request_size (producer_options) and the topic's max.message.bytes"
+            )
 
     def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
         """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.
