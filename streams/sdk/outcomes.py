@@ -29,7 +29,6 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from streams.sdk.batching import key_hash
-from streams.sdk.types import StreamError
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DecodeError
 from topics.names import REWARD, WOVEN_REWARD
@@ -94,7 +93,13 @@ class OutcomeWatcher:
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
 
-    async def start(self) -> None:
+    @property
+    def topics(self) -> tuple[str, str]:
+        return self._woven_topic, self._rewards_topic
+
+    async def start(self, partition_counts: dict[str, int]) -> None:
+        """Assign the session's partition of each topic (`partition_counts`: topic -> partitions, as the producer
+        knows them) and read from where the log's timestamps reach the stream's creation, less clock skew."""
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap_servers,
             group_id=None,
@@ -104,13 +109,7 @@ class OutcomeWatcher:
         await consumer.start()
         try:
             hashed = key_hash(self.session_id.encode())
-            await consumer.topics()  # the cluster's metadata, for the partition counts
-            partitions = []
-            for topic in (self._woven_topic, self._rewards_topic):
-                count = len(consumer.partitions_for_topic(topic) or ())
-                if not count:
-                    raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)")
-                partitions.append(TopicPartition(topic, hashed % count))
+            partitions = [TopicPartition(topic, hashed % partition_counts[topic]) for topic in self.topics]
             consumer.assign(partitions)
             found = await consumer.offsets_for_times({tp: max(0, self.since_ms - CLOCK_SKEW_MS) for tp in partitions})
             ends = await consumer.end_offsets(partitions)
@@ -182,9 +181,10 @@ class OutcomeWatcher:
         consumer = self._consumer
         assert consumer is not None
         ends = await consumer.end_offsets(list(consumer.assignment()))
-        while any(await consumer.position(tp) < end for tp, end in ends.items()):
-            if not await self._wait_change(deadline):
-                return
+        for tp, end in ends.items():
+            while await consumer.position(tp) < end:
+                if not await self._wait_change(deadline):
+                    return
 
     async def _wait_change(self, deadline: float) -> bool:
         """Wait for the next batch the background task read; False at the deadline."""

@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from streams.sdk.emitter import (
     _Emitter,
@@ -43,6 +44,7 @@ from streams.sdk.emitter import (
 from streams.sdk.llm_calls import LlmCallFields, openai_llm_calls
 from streams.sdk.outcomes import Outcome, OutcomeWatcher
 from streams.sdk.types import (
+    _METADATA_TIMEOUT_S,
     _TOOL_STATUSES,
     DEFAULT_DELIVERY_TIMEOUT_S,
     Annotator,
@@ -51,6 +53,7 @@ from streams.sdk.types import (
     NodeLike,
     ProducerError,
     StepRef,
+    StreamError,
     ToolCall,
     ToolStatus,
     _edge,
@@ -567,9 +570,17 @@ class AgentStream(_Emitter):
         async with self._watcher_starting:
             if self._watcher is None:
                 watcher = OutcomeWatcher(self.settings, self._codec, self.session_id, self._created_ms)
-                await watcher.start()
+                await watcher.start({topic: await self._partitions_of(topic) for topic in watcher.topics})
                 self._watcher = watcher
         return self._watcher
+
+    async def _partitions_of(self, topic: str) -> int:
+        assert self._producer is not None
+        try:
+            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
+        except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
+            raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)") from None
+        return len(partitions)
 
     async def close(self, timeout: float | None = None) -> None:
         """Flush, stop the producer if this stream created it, and stop reading outcomes."""
