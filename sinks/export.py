@@ -6,6 +6,9 @@ tables' sort key: no OFFSET over the data, no cursor held open): each page is th
 page is read (ArrowBatchRunner runs two statements at once). Pages are short reads, so through the sink's SQL
 service (when the worker owns embedded chDB) the sink keeps inserting between them.
 
+Reading and writing overlap: a thread fetches the next page while the current one is written (at most three
+pages in memory: one written, one waiting, one being read), so an export costs about max(read, write).
+
 Columns come out with fixed types: ClickHouse's LowCardinality columns arrive as Arrow dictionaries whose index
 width depends on each page's dictionary, so they are decoded to their values, and every page is cast to the
 schema of the first (an empty read of the query gives it, so an empty export still has its columns).
@@ -13,7 +16,10 @@ schema of the first (an empty read of the query gives it, so an empty export sti
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -70,16 +76,16 @@ def export(
         filters = filters.model_copy(update={"until": as_of})
     rows = _batch_rows(shape, batch_rows)
     with _runner(settings, runner) as run:
-        schema = output_schema(run, shape, filters)
-        writer = open_writer(fmt, output, schema)
+        schema, dictionaries = output_schema(run, shape, filters)
+        writer = open_writer(fmt, output, schema, dictionaries)
         written = revision_sum = 0
         policies: set[str] = set()
         try:
-            for batch in _pages(run, shape, filters, rows, schema, progress):
-                writer.write(batch)
-                written += batch.num_rows
-                revision_sum += int(pc.sum(batch.column(_REVISION_COLUMN[shape])).as_py() or 0)
-                policies.update(v for v in pc.unique(batch.column("policy_version")).to_pylist() if v is not None)
+            for page in _prefetched(_pages(run, shape, filters, rows, schema, progress)):
+                writer.write(page)
+                written += page.num_rows
+                revision_sum += int(pc.sum(page.column(_REVISION_COLUMN[shape])).as_py() or 0)
+                policies.update(v for v in pc.unique(page.column("policy_version")).to_pylist() if v is not None)
         finally:
             writer.close()
     columns, fingerprint = columns_of(schema)
@@ -146,14 +152,23 @@ def read_batches(
     filters = filters or ExportFilters()
     rows = _batch_rows(shape, batch_rows)
     with _runner(settings, runner) as run:
-        schema = output_schema(run, shape, filters)
-        yield from _pages(run, shape, filters, rows, schema, None)
+        schema, _ = output_schema(run, shape, filters)
+        for page in _prefetched(_pages(run, shape, filters, rows, schema, None)):
+            yield from page.to_batches(max_chunksize=rows)
 
 
-def output_schema(run: ArrowBatchRunner, shape: Shape, filters: ExportFilters) -> pa.Schema:
-    """The export's column types: the query's, with dictionaries decoded to their values."""
+def output_schema(run: ArrowBatchRunner, shape: Shape, filters: ExportFilters) -> tuple[pa.Schema, list[str]]:
+    """The export's column types (the query's, with dictionaries decoded to their values), and the columns that
+    were dictionaries (LowCardinality: few distinct values, worth dictionary-encoding in Parquet)."""
     empty = run([f"SELECT * FROM ({shape_sql(shape, filters, ('', ''))}) LIMIT 0"])[0]
-    return pa.schema([pa.field(f.name, _plain(f.type), f.nullable) for f in empty.schema])
+    schema = pa.schema([pa.field(f.name, _plain(f.type), f.nullable) for f in empty.schema])
+    return schema, [f.name for f in empty.schema if _has_dictionary(f.type)]
+
+
+def _has_dictionary(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):
+        return True
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _has_dictionary(kind.value_type)
 
 
 def _plain(kind: pa.DataType) -> pa.DataType:
@@ -171,7 +186,8 @@ def _pages(
     batch_rows: int,
     schema: pa.Schema,
     progress: Progress | None,
-) -> Iterator[pa.RecordBatch]:
+) -> Iterator[pa.Table]:
+    """The shape's rows a session range at a time, cast to `schema`."""
     total = _raw_rows(run, shape) if progress is not None else 0
     scanned = written = 0
     (boundary,) = run([page_end_sql(shape, None, batch_rows)])
@@ -184,7 +200,7 @@ def _pages(
         tables = run(statements)
         page = tables[0]
         if page.num_rows:
-            yield from page.cast(schema).to_batches(max_chunksize=batch_rows)
+            yield page.cast(schema)
             written += page.num_rows
         scanned = min(total, scanned + batch_rows) if end is not None else total
         if progress is not None:
@@ -192,6 +208,43 @@ def _pages(
         if end is None:
             return
         after, boundary = end, tables[1]
+
+
+def _prefetched(pages: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """`pages`, read one ahead in a thread of their own while the caller works on the current one."""
+    ready: queue.Queue[tuple[pa.Table | None, BaseException | None]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for page in pages:
+                while not stop.is_set():
+                    try:
+                        ready.put((page, None), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put((None, None))
+        except BaseException as exc:  # handed to the caller's thread
+            ready.put((None, exc))
+
+    reader = threading.Thread(target=produce, name="treadle-export-reader", daemon=True)
+    reader.start()
+    try:
+        while True:
+            page, error = ready.get()
+            if error is not None:
+                raise error
+            if page is None:
+                return
+            yield page
+    finally:
+        stop.set()
+        with contextlib.suppress(queue.Empty):
+            ready.get_nowait()  # let a reader blocked on a full queue see `stop`
+        reader.join()
 
 
 def _raw_rows(run: ArrowBatchRunner, shape: Shape) -> int:
