@@ -1,7 +1,8 @@
 """treadle: the data plane for agentic reinforcement learning.
 
-The public API. Agents emit with `AgentStream` (or `AgentStreamSync`), reward sources with `RewardEmitter`;
-plugin authors implement `EventProcessor`. Everything else is internal and may move.
+The public API. Agents emit with `AgentStream` (or `AgentStreamSync`) and await their steps' `Outcome`s, reward
+sources emit with `RewardEmitter`, trainers read replay data back with `treadle.replay` (the sink extra); plugin
+authors implement `EventProcessor`. Everything else is internal and may move.
 """
 
 from __future__ import annotations

@@ -74,13 +74,18 @@ class Outcome:
 
 
 class OutcomeWatcher:
-    """Reads one session's partition of the woven-rewards and rewards topics in the background."""
+    """Reads one session's partition of the woven-rewards and rewards topics in the background.
+
+    It keeps the latest WovenReward and the reward signals of each of the session's steps it has read (a session's
+    worth: what `outcome()` for an earlier step needs), and decodes only records keyed by its session.
+    """
 
     def __init__(self, settings: Settings, codec: AvroCodec, session_id: str, since_ms: int) -> None:
         catalog = TopicCatalog(settings)
         self.settings = settings
         self.codec = codec
         self.session_id = session_id
+        self._key = session_id.encode()
         self.since_ms = since_ms
         self._woven_topic = catalog.for_schema(WOVEN_REWARD).name
         self._rewards_topic = catalog.for_schema(REWARD).name
@@ -138,7 +143,8 @@ class OutcomeWatcher:
                 batches = await consumer.getmany(timeout_ms=200)
                 for tp, messages in batches.items():
                     for message in messages:
-                        self._take(tp.topic, message.value)
+                        if message.key == self._key:  # other sessions share the partition: not even decoded
+                            self._take(tp.topic, message.value)
                 self._changed.set()
                 self._changed = asyncio.Event()
         except asyncio.CancelledError:
