@@ -22,11 +22,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from streams.sdk.batching import key_hash
 from topics.catalog import TopicCatalog
@@ -37,6 +38,8 @@ from topics.settings import Settings
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_MS = 60_000  # records are looked up by timestamp from this far before the stream started
+LOOKUP_ATTEMPTS = 5
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,18 @@ class Outcome:
             partial=False,
             woven=record,
         )
+
+
+async def _retried(lookup: Callable[[], Awaitable[T]], attempts: int = LOOKUP_ATTEMPTS) -> T:
+    """An offsets lookup, tried again after a retriable error (a leader election on a busy or fresh broker)."""
+    for attempt in range(attempts):
+        try:
+            return await lookup()
+        except KafkaError as exc:
+            if attempt == attempts - 1 or not getattr(exc, "retriable", False):
+                raise
+            await asyncio.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 class OutcomeWatcher:
@@ -116,8 +131,9 @@ class OutcomeWatcher:
             hashed = key_hash(self.session_id.encode())
             partitions = [TopicPartition(topic, hashed % partition_counts[topic]) for topic in self.topics]
             consumer.assign(partitions)
-            found = await consumer.offsets_for_times({tp: max(0, self.since_ms - CLOCK_SKEW_MS) for tp in partitions})
-            ends = await consumer.end_offsets(partitions)
+            since = max(0, self.since_ms - CLOCK_SKEW_MS)
+            found = await _retried(lambda: consumer.offsets_for_times(dict.fromkeys(partitions, since)))
+            ends = await _retried(lambda: consumer.end_offsets(partitions))
             for tp in partitions:
                 at = found.get(tp)
                 consumer.seek(tp, at.offset if at is not None else ends[tp])
@@ -186,7 +202,13 @@ class OutcomeWatcher:
         """Wait until everything in the partitions when this was called has been read (or the deadline)."""
         consumer = self._consumer
         assert consumer is not None
-        ends = await consumer.end_offsets(list(consumer.assignment()))
+        try:
+            ends = await _retried(lambda: consumer.end_offsets(list(consumer.assignment())))
+        except KafkaError as exc:  # only an answer's freshness depends on it: go on with what was read
+            log.warning(
+                "treadle outcomes: could not look up the end of the log (%r); answering from what was read", exc
+            )
+            return
         for tp, end in ends.items():
             while await consumer.position(tp) < end:
                 if not await self._wait_change(deadline):
