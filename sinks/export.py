@@ -4,8 +4,8 @@ Memory stays flat for any size because the export reads a range of sessions at a
 tables' sort key: no OFFSET over the data, no cursor held open): each page is the shape's query for sessions
 (lo, hi], where hi is the session about `batch_rows` raw rows after lo. The next page's boundary is found while a
 page is read (ArrowBatchRunner runs two statements at once). A page holds whole sessions (a trajectory is never
-cut in two), so the one limit is that a single session must fit in memory. Pages are short reads, so through the sink's SQL
-service (when the worker owns embedded chDB) the sink keeps inserting between them.
+cut in two), so the one limit is that a single session must fit in memory. Pages are short reads, so through the
+sink's SQL service (when the worker owns embedded chDB) the sink keeps inserting between them.
 
 Reading and writing overlap: a thread fetches the next page while the current one is written (at most three
 pages in memory: one written, one waiting, one being read), so an export costs about max(read, write).

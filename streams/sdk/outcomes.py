@@ -132,11 +132,13 @@ class OutcomeWatcher:
             partitions = [TopicPartition(topic, hashed % partition_counts[topic]) for topic in self.topics]
             consumer.assign(partitions)
             since = max(0, self.since_ms - CLOCK_SKEW_MS)
-            found = await _retried(lambda: consumer.offsets_for_times(dict.fromkeys(partitions, since)))
+            # The ends first: a record appended between the two lookups is then after the end (read), whereas the
+            # other way round it could land between a lookup that found nothing and the end it fell back to.
             ends = await _retried(lambda: consumer.end_offsets(partitions))
+            found = await _retried(lambda: consumer.offsets_for_times(dict.fromkeys(partitions, since)))
             for tp in partitions:
                 at = found.get(tp)
-                consumer.seek(tp, at.offset if at is not None else ends[tp])
+                consumer.seek(tp, min(at.offset, ends[tp]) if at is not None else ends[tp])
         except BaseException:
             await consumer.stop()
             raise
