@@ -235,16 +235,7 @@ class AgentStream(_Emitter):
             raise ValueError(problem)
         event_id = uuid7()
         record = {
-            "envelope": self._envelope(
-                event_id=event_id,
-                session_id=step.session_id,
-                episode_id=step.episode_id,
-                logical_event_id=step.logical_event_id,
-                seq=self._seq,
-                trace_id=step.trace_id,
-                attributes=attributes,
-                event_time=event_time,
-            ),
+            "envelope": self._step_envelope(step, event_id, attributes, event_time),
             "tool": step.tool,
             "status": status.value,
             "output": _text(output),
@@ -510,6 +501,21 @@ class AgentStream(_Emitter):
                 raise ValueError(f"choice {fields.choice_index}: {problem}")
         return [await self._llm_call(step, fields, attributes, event_time) for fields in calls]
 
+    def _step_envelope(
+        self, step: StepRef, event_id: str, attributes: Mapping[str, Any] | None, event_time: int | None
+    ) -> dict[str, Any]:
+        """The envelope of an event about a dispatched step (a tool result, an LLM call): the step's ids, the next seq."""
+        return self._envelope(
+            event_id=event_id,
+            session_id=step.session_id,
+            episode_id=step.episode_id,
+            logical_event_id=step.logical_event_id,
+            seq=self._seq,
+            trace_id=step.trace_id,
+            attributes=attributes,
+            event_time=event_time,
+        )
+
     async def _llm_call(
         self,
         step: StepRef,
@@ -521,16 +527,7 @@ class AgentStream(_Emitter):
         self._surface_failures()
         event_id = uuid7()
         record = {
-            "envelope": self._envelope(
-                event_id=event_id,
-                session_id=step.session_id,
-                episode_id=step.episode_id,
-                logical_event_id=step.logical_event_id,
-                seq=self._seq,
-                trace_id=step.trace_id,
-                attributes=attributes,
-                event_time=event_time,
-            ),
+            "envelope": self._step_envelope(step, event_id, attributes, event_time),
             **fields.record_fields(),
         }
         if (problem := llm_call_problem(record)) is not None:
