@@ -504,7 +504,7 @@ class AgentStream(_Emitter):
     def _step_envelope(
         self, step: StepRef, event_id: str, attributes: Mapping[str, Any] | None, event_time: int | None
     ) -> dict[str, Any]:
-        """The envelope of an event about a dispatched step (a tool result, an LLM call): the step's ids, the next seq."""
+        """The envelope of an event about a dispatched step (a tool result, an LLM call): its ids and the next seq."""
         return self._envelope(
             event_id=event_id,
             session_id=step.session_id,
