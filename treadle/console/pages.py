@@ -63,6 +63,7 @@ def sessions_page(reader: SqlReader, f: SessionFilter, with_choices: bool = True
 @dataclass
 class RewardLine:
     event_id: str
+    logical_event_id: str
     source: str
     name: str
     value: float
@@ -115,7 +116,8 @@ def timeline_page(reader: SqlReader, session: str, policy: RewardPolicy) -> Time
         lane = lanes.get(r["logical_event_id"])
         delay = (r["event_us"] - lane.row["dispatched_us"]) / 1e6 if lane is not None else None
         line = RewardLine(
-            event_id=r["event_id"], source=str(r["source"]), name=str(r["name"]), value=float(r["value"]),
+            event_id=r["event_id"], logical_event_id=r["logical_event_id"], source=str(r["source"]),
+            name=str(r["name"]), value=float(r["value"]),
             delay_s=delay, window_s=spec.window_s, grace_s=spec.grace_s, verdict=_verdict(r["late_reason"]),
             lateness_ms=int(r["lateness_ms"]), detail=r["late_detail"], copies=int(r["copies"]),
             at=iso(r["event_us"]),
