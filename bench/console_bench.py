@@ -1,11 +1,11 @@
 """Console page render times over the SQL service: `python -m bench.console_bench [--sessions 100000] [--steps 8]`.
 
 A child process plays the sink: it owns embedded chDB (a fresh folder), lands synthetic rows straight into the
-migrated tables with `INSERT … SELECT FROM numbers()` (sessions x steps transitions, two reward components and
-one woven reward per step, late rewards for 5% of steps, dead letters for 1% of sessions, lifecycle events with
-half the sessions ended) and serves `sinks.service.sql_app` on 127.0.0.1, the endpoint `treadle sql` and the
-console use while a worker runs. This process runs the console application and times whole HTTP requests
-(query through the service + template render), --renders times per page, and prints p50 and p95 per page.
+migrated tables with `INSERT … SELECT FROM numbers()` (sessions x steps transitions carrying two reward components
+each, the components themselves, one woven reward per step, late rewards for 5% of steps, dead letters for 1% of
+sessions, lifecycle events with half the sessions ended) and serves `sinks.service.sql_app` on 127.0.0.1, the
+endpoint `treadle sql` and the console use while a worker runs. This process runs the console application and times
+whole HTTP requests (query through the service + template render), --renders times per page: p50 and p95 per page.
 """
 
 from __future__ import annotations
@@ -37,11 +37,19 @@ def fill_sql(sessions: int, steps: int) -> list[str]:
     return [
         f"""INSERT INTO transitions (session_id, step, logical_event_id, revision, agent_id, episode_id, trace_id,
             policy_version, tool, params_json, dispatched_at, tool_status, latency_ms, cost_usd, result_at, reward,
-            reward_status, reward_revision, updated_at)
+            reward_status, reward_revision, updated_at, `reward_components.event_id`, `reward_components.source`,
+            `reward_components.name`, `reward_components.value`, `reward_components.confidence`,
+            `reward_components.weight`, `reward_components.annotator`, `reward_components.event_time`,
+            `reward_components.contribution`, `reward_components.adjusted_value`, `reward_components.lateness_ms`,
+            `reward_components.evidence`, `reward_components.imputed`)
         SELECT {session}, number % {steps}, {lid}, 4, concat('agent-', toString(intDiv(number, {steps}) % 20)),
             concat({session}, '-ep0'), '', concat('pv-', toString(intDiv(number, {steps}) % 3)), 'search', '{{}}',
             {at}, if(number % 10 = 0, 'ERROR', 'OK'), number % 500, 0.001, {at} + INTERVAL 1 SECOND,
-            (number % 200) / 100 - 1, 'complete', 2, {at} + INTERVAL 60 SECOND
+            (number % 200) / 100 - 1, 'complete', 2, {at} + INTERVAL 60 SECOND,
+            [concat('rc-', toString(2 * number)), concat('rc-', toString(2 * number + 1))], ['judge', 'human'],
+            ['quality', 'quality'], [0.4, 0.6], [1, 1], [1, 1], ['LLM', 'HUMAN'],
+            [{at} + toIntervalSecond(number % 40), {at} + toIntervalSecond(number % 90)], [0.2, 0.3], [0.4, 0.6],
+            [0, 0], [NULL, NULL], [false, number % 20 = 0]
         FROM numbers({n})""",
         f"""INSERT INTO reward_components (logical_event_id, session_id, event_id, agent_id, episode_id, source, name,
             value, confidence, annotator, event_time, policy_version, trace_id, ingested_revision)

@@ -83,9 +83,11 @@ def test_hostile_filter_values_stay_inside_string_literals(hostile: str) -> None
     """Every text filter at once: the bound statement has the same code tokens as with harmless values."""
 
     def code_tokens(f: SessionFilter) -> list[str]:
-        query, params = queries.sessions_sql(f)
-        sql = check_read_only(bind_parameters(query, params))
-        return [t.text for t in tokenize(sql) if t.significant and t.kind is not TokenKind.STRING]
+        texts = []
+        for query, params in (queries.sessions_sql(f), queries.page_sql(f), queries.total_sql(f)):
+            sql = check_read_only(bind_parameters(query, params))
+            texts += [t.text for t in tokenize(sql) if t.significant and t.kind is not TokenKind.STRING]
+        return texts
 
     benign = SessionFilter(agent="a", policy="p", q="s", status="open")
     hostile_filter = SessionFilter(agent=hostile, policy=hostile, q=hostile, status="open")

@@ -41,9 +41,7 @@ def test_types_are_checked_and_written_as_their_literals() -> None:
         "SELECT {n:UInt32}, {f:Float64}, {b:Bool}, {t:DateTime64}, {ids:Array(String)}",
         {"n": 5, "f": 0.5, "b": True, "t": datetime(2026, 1, 1, tzinfo=UTC), "ids": ["a", "b'"]},
     )
-    assert sql == (
-        "SELECT 5, 0.5, true, fromUnixTimestamp64Micro(toInt64(1767225600000000), 'UTC'), ['a', 'b\\'']"
-    )
+    assert sql == ("SELECT 5, 0.5, true, fromUnixTimestamp64Micro(toInt64(1767225600000000), 'UTC'), ['a', 'b\\'']")
     for params in ({"n": "5 OR 1=1"}, {"n": -1}, {"n": True}, {"n": 1.5}):
         with pytest.raises(QueryParameterError):
             bind_parameters("SELECT {n:UInt32}", params)

@@ -95,6 +95,7 @@ class TimelineView:
     scale_s: float
     policy_version: str
     counts: dict[str, int]
+    steps_shown: int = queries.STEPS_SHOWN
 
 
 def _verdict(reason: str) -> str:
@@ -222,6 +223,9 @@ def reward_flow_page(
     for row in queries.reward_delays(reader, p.policy):
         delays[str(row["source"])].append(float(row["delay_s"]))
         names.setdefault(str(row["source"]), str(row["name"]))
+    for row in queries.late_delays(reader, p.policy):  # past the deadline: window + grace + how late
+        spec = policy.spec_for(str(row["source"]), str(row["name"]))
+        delays[str(row["source"])].append(spec.window_s + spec.grace_s + float(row["late_s"]))
     flows = []
     for counts in queries.reward_source_counts(reader, p.policy):
         source = counts["source"]

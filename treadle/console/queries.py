@@ -55,14 +55,9 @@ SESSION_SORTS = {
 _ENDED_KINDS = "('EPISODE_ENDED', 'SESSION_CLOSED', 'SESSION_ARCHIVED')"
 
 
-def sessions_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
-    """One page of sessions (sessions with at least one step) and the total that match, with their bound values.
-
-    A session is `ended` when its last lifecycle event (by seq) is EPISODE_ENDED, SESSION_CLOSED or
-    SESSION_ARCHIVED. A LEFT JOIN without a match reads 0 or '' (join_use_nulls is 0: readonly mode may not
-    change it). Counts read the tables without FINAL (uniqExact over ids), which stays fast on 100k sessions.
-    """
-    where, having, outer, params = [], [], [], {}
+def _session_filters(f: SessionFilter) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(WHERE conditions on steps, HAVING conditions on a session's steps, bound values) of the filters."""
+    where, having, params = [], [], {}
     if f.agent:
         where.append("agent_id = {agent:String}")
         params["agent"] = f.agent
@@ -81,44 +76,114 @@ def sessions_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
     if f.until is not None:
         having.append("min(dispatched_at) <= {until:DateTime64}")
         params["until"] = f.until
-    if f.status != "any":
-        outer.append("status = {status:String}")
-        params["status"] = f.status
-    sort = SESSION_SORTS[f.sort]
-    direction = "ASC" if f.order == "asc" else "DESC"
-    params["limit"], params["offset"] = f.size, (f.page - 1) * f.size
+    return where, having, params
+
+
+def _clause(keyword: str, conditions: list[str]) -> str:
+    return f"{keyword} " + " AND ".join(conditions) if conditions else ""
+
+
+def _session_steps_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
+    """Per session with at least one step matching the filters: agent, policies, first and last change, steps."""
+    where, having, params = _session_filters(f)
     query = f"""
-SELECT s.session_id AS session_id, s.agent AS agent_id, s.policy_versions AS policy_versions,
-    s.started_us AS started_us, s.last_us AS last_us, s.steps AS steps,
-    d.n AS dead_letters, l.late AS late_rewards, l.orphans AS orphans,
-    if(e.last_kind IN {_ENDED_KINDS}, 'ended', 'open') AS status,
-    count() OVER () AS total
-FROM (
-    SELECT session_id, any(agent_id) AS agent, arraySort(groupUniqArray(policy_version)) AS policy_versions,
+    SELECT session_id, any(agent_id) AS agent, min(policy_version) AS first_policy, max(policy_version) AS last_policy,
         toUnixTimestamp64Micro(min(dispatched_at)) AS started_us, toUnixTimestamp64Micro(max(updated_at)) AS last_us,
-        uniqExact(logical_event_id) AS steps
-    FROM transitions
-    {"WHERE " + " AND ".join(where) if where else ""}
+        count() AS steps
+    FROM transitions FINAL
+    {_clause("WHERE", where)}
     GROUP BY session_id
-    {"HAVING " + " AND ".join(having) if having else ""}
-) AS s
+    {_clause("HAVING", having)}"""
+    return query, params
+
+
+def total_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
+    """How many sessions match the filters other than status (no FINAL: a replayed row names the same session)."""
+    where, having, params = _session_filters(f)
+    if not having:
+        return f"SELECT uniqExact(session_id) AS total FROM transitions {_clause('WHERE', where)}", params
+    return (
+        f"SELECT count() AS total FROM (SELECT session_id FROM transitions {_clause('WHERE', where)} "
+        f"GROUP BY session_id {_clause('HAVING', having)})",
+        params,
+    )
+
+
+def _session_counts_sql(only_page: bool) -> str:
+    """Dead letters, late rewards, orphans and the last lifecycle kind per session (of the page's ids, or all)."""
+    ids = " AND session_id IN {ids:Array(String)}" if only_page else ""
+    return f"""
 LEFT JOIN (
     SELECT assumeNotNull(session_id) AS session_id, uniqExact(dead_letter_id) AS n FROM dead_letters
-    WHERE session_id IS NOT NULL GROUP BY session_id
+    WHERE session_id IS NOT NULL{ids} GROUP BY session_id
 ) AS d ON d.session_id = s.session_id
 LEFT JOIN (
     SELECT session_id, uniqExactIf(event_id, reason = 'AFTER_GRACE') AS late,
         uniqExactIf(event_id, reason = 'ORPHAN') - uniqExactIf(event_id, reason = 'ORPHAN_RESOLVED') AS orphans
-    FROM late_rewards GROUP BY session_id
+    FROM late_rewards WHERE 1 = 1{ids} GROUP BY session_id
 ) AS l ON l.session_id = s.session_id
 LEFT JOIN (
     SELECT session_id, argMax(JSONExtractString(payload_json, 'kind'), seq) AS last_kind
-    FROM raw_events WHERE kind = 'lifecycle' GROUP BY session_id
-) AS e ON e.session_id = s.session_id
-{"WHERE " + " AND ".join(outer) if outer else ""}
+    FROM raw_events WHERE kind = 'lifecycle'{ids} GROUP BY session_id
+) AS e ON e.session_id = s.session_id"""
+
+
+_SESSION_COLUMNS = f"""s.session_id AS session_id, s.agent AS agent_id, s.first_policy AS first_policy,
+    s.last_policy AS last_policy, s.started_us AS started_us, s.last_us AS last_us, s.steps AS steps,
+    d.n AS dead_letters, l.late AS late_rewards, l.orphans AS orphans,
+    if(e.last_kind IN {_ENDED_KINDS}, 'ended', 'open') AS status"""
+
+
+def sessions_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
+    """One page of sessions (sessions with at least one step) and the total that match, with their bound values.
+
+    A session is `ended` when its last lifecycle event (by seq) is EPISODE_ENDED, SESSION_CLOSED or
+    SESSION_ARCHIVED. A LEFT JOIN without a match reads 0 or '' (join_use_nulls is 0: readonly mode may not
+    change it). Steps are counted on transitions FINAL (one row per step), which on chDB costs half of uniqExact over
+    the step ids and a tenth of collecting each session's policy versions (min and max stand in for the list).
+    This form joins the counts of every session, for sorting or filtering by them; `page_sql` and `counts_sql`
+    are the faster pair for everything else.
+    """
+    inner, params = _session_steps_sql(f)
+    outer = ""
+    if f.status != "any":
+        outer = "WHERE status = {status:String}"
+        params["status"] = f.status
+    params["limit"], params["offset"] = f.size, (f.page - 1) * f.size
+    direction = "ASC" if f.order == "asc" else "DESC"
+    query = f"""
+SELECT {_SESSION_COLUMNS}, count() OVER () AS total
+FROM ({inner}
+) AS s{_session_counts_sql(only_page=False)}
+{outer}
+ORDER BY {SESSION_SORTS[f.sort]} {direction}, session_id {direction}
+LIMIT {{limit:UInt32}} OFFSET {{offset:UInt64}}"""
+    return query, params
+
+
+def page_sql(f: SessionFilter) -> tuple[str, dict[str, Any]]:
+    """The page's sessions sorted by a column of their steps, one more than a page (is there a next one?).
+
+    No counts joined and no total: a `count() OVER ()` over 100k sessions cost as much as the page itself.
+    """
+    inner, params = _session_steps_sql(f)
+    params["limit"], params["offset"] = f.size + 1, (f.page - 1) * f.size
+    direction = "ASC" if f.order == "asc" else "DESC"
+    sort = {"session": "session_id", "agent": "agent"}.get(f.sort, SESSION_SORTS[f.sort])
+    query = f"""
+SELECT * FROM ({inner}
+)
 ORDER BY {sort} {direction}, session_id {direction}
 LIMIT {{limit:UInt32}} OFFSET {{offset:UInt64}}"""
     return query, params
+
+
+def counts_sql() -> str:
+    """The counts and status of the sessions in {ids:Array(String)}, as `sessions_sql` joins them."""
+    return f"""
+SELECT {_SESSION_COLUMNS}
+FROM (SELECT arrayJoin({{ids:Array(String)}}) AS session_id, '' AS agent, '' AS first_policy, '' AS last_policy,
+    0 AS started_us, 0 AS last_us, 0 AS steps) AS s{_session_counts_sql(only_page=True)}"""
 
 
 @dataclass(frozen=True)
@@ -132,20 +197,32 @@ class SessionPage:
         return max(1, -(-self.total // self.filter.size))
 
 
+_COUNT_COLUMNS = ("dead_letters", "late_rewards", "orphans", "status")
+
+
 def sessions(reader: SqlReader, f: SessionFilter) -> SessionPage:
+    """A page of sessions. Sorted by a column of the steps (the usual case) and without a status filter, it picks
+    the page first, joins the counts of its sessions only, and counts the matches in a query of its own: on 100k
+    sessions that is about half the work of joining every session's counts, which sorting or filtering by a count
+    needs (sessions_sql)."""
+    if f.status == "any" and f.sort not in ("dead_letters", "late"):
+        query, params = page_sql(f)
+        rows = reader.rows(query, **params)[: f.size]
+        if rows:
+            counts = {r["session_id"]: r for r in reader.rows(counts_sql(), ids=[r["session_id"] for r in rows])}
+            rows = [{**r, "agent_id": r.pop("agent"), **{k: counts[r["session_id"]][k] for k in _COUNT_COLUMNS}}
+                    for r in rows]  # fmt: skip
+        query, params = total_sql(f)
+        return SessionPage(rows, int(reader.rows(query, **params)[0]["total"]), f)
     query, params = sessions_sql(f)
     rows = reader.rows(query, **params)
     total = int(rows[0]["total"]) if rows else 0
     if not rows and f.page > 1:  # past the end: count what matches for the pager
-        total = sessions_total(reader, f)
+        first = f.model_copy(update={"page": 1, "size": 5})
+        query, params = sessions_sql(first)
+        again = reader.rows(query, **params)
+        total = int(again[0]["total"]) if again else 0
     return SessionPage(rows, total, f)
-
-
-def sessions_total(reader: SqlReader, f: SessionFilter) -> int:
-    first = f.model_copy(update={"page": 1, "size": 1})
-    query, params = sessions_sql(first)
-    rows = reader.rows(query, **params)
-    return int(rows[0]["total"]) if rows else 0
 
 
 def sessions_fingerprint(reader: SqlReader) -> tuple[Any, ...]:
@@ -161,14 +238,20 @@ def sessions_fingerprint(reader: SqlReader) -> tuple[Any, ...]:
 # ---- one session: the trace timeline --------------------------------------------------------------------------
 
 
-def session_steps(reader: SqlReader, session: str) -> Rows:
+STEPS_SHOWN = 1000  # a timeline draws one lane per step; beyond this the page says so
+
+
+def session_steps(reader: SqlReader, session: str, limit: int = STEPS_SHOWN) -> Rows:
+    """The session's first `limit` steps (current rows), in step order."""
     return reader.rows(
         "SELECT logical_event_id, step, episode_id, agent_id, policy_version, tool, tool_status, latency_ms, cost_usd, "
         "tokens_in, tokens_out, reward, reward_status, revision, reward_revision, "
         "toUnixTimestamp64Micro(dispatched_at) AS dispatched_us, toUnixTimestamp64Micro(result_at) AS result_us, "
         "toUnixTimestamp64Micro(updated_at) AS updated_us, reward_components.event_id AS woven_ids "
-        "FROM transitions_latest WHERE session_id = {session:String} ORDER BY step, logical_event_id",
+        "FROM transitions_latest WHERE session_id = {session:String} ORDER BY step, logical_event_id "
+        "LIMIT {limit:UInt32}",
         session=session,
+        limit=limit,
     )
 
 
@@ -236,42 +319,63 @@ def state_versions(reader: SqlReader, session: str, limit: int = 2000) -> Rows:
 
 
 def reward_delays(reader: SqlReader, policy: str | None, per_source: int = 5000) -> Rows:
-    """Arrival delays (reward event_time - dispatch event_time, seconds) per source, up to `per_source` each."""
-    pv = " AND r.policy_version = {policy:String}" if policy else ""
+    """Arrival delays after dispatch (seconds) of the rewards woven in time, up to `per_source` per source.
+
+    Read from each step's current transition (its components carry their event time beside the dispatch time), so
+    no join: on 800,000 steps a join of reward_components to the dispatches took a second. Late rewards are not
+    components; `late_delays` adds them.
+    """
+    pv = "AND policy_version = {policy:String} " if policy else ""
     return reader.rows(
-        "SELECT r.source AS source, r.name AS name, "
-        "(toUnixTimestamp64Micro(r.event_time) - toUnixTimestamp64Micro(t.dispatched_at)) / 1e6 AS delay_s "
-        "FROM reward_components_latest AS r INNER JOIN (SELECT logical_event_id, any(dispatched_at) AS dispatched_at "
-        "FROM transitions GROUP BY logical_event_id) AS t ON t.logical_event_id = r.logical_event_id "
-        f"WHERE 1 = 1{pv} LIMIT {{per_source:UInt32}} BY source",
+        "SELECT src AS source, nm AS name, "
+        "(toUnixTimestamp64Micro(at) - toUnixTimestamp64Micro(dispatched_at)) / 1e6 AS delay_s FROM transitions FINAL "
+        "ARRAY JOIN `reward_components.source` AS src, `reward_components.name` AS nm, "
+        "`reward_components.event_time` AS at, `reward_components.imputed` AS imp "
+        f"WHERE NOT imp {pv}LIMIT {{per_source:UInt32}} BY src",
+        **({"policy": policy} if policy else {}),
+        per_source=per_source,
+    )
+
+
+def late_delays(reader: SqlReader, policy: str | None, per_source: int = 5000) -> Rows:
+    """Late rewards (AFTER_GRACE) per source with how late they were past their deadline, in seconds."""
+    pv = "AND policy_version = {policy:String} " if policy else ""
+    return reader.rows(
+        "SELECT source, name, lateness_ms / 1000 AS late_s FROM late_rewards FINAL "
+        f"WHERE reason = 'AFTER_GRACE' {pv}LIMIT {{per_source:UInt32}} BY source",
         **({"policy": policy} if policy else {}),
         per_source=per_source,
     )
 
 
 def reward_source_counts(reader: SqlReader, policy: str | None) -> Rows:
-    """Per source: components received, late (AFTER_GRACE), orphans, conflicts and imputed components."""
-    pv_r = "WHERE policy_version = {policy:String}" if policy else ""
-    pv_w = "WHERE policy_version = {policy:String}" if policy else ""
+    """Per source: rewards received, late (AFTER_GRACE), orphans, components in conflicts, imputed components.
+
+    Conflicts count (step, component) pairs named in any woven revision's conflicts (a later revision only adds
+    components, so this is the latest revision's); imputation is read from each step's current transition.
+    """
+    where = "WHERE policy_version = {policy:String}" if policy else ""
+    also = "AND policy_version = {policy:String}" if policy else ""
     params = {"policy": policy} if policy else {}
     received = reader.rows(
-        f"SELECT source, uniqExact(event_id) AS received FROM reward_components {pv_r} GROUP BY source", **params
+        f"SELECT source, count() AS received FROM reward_components FINAL {where} GROUP BY source", **params
     )
     late = reader.rows(
         "SELECT source, uniqExactIf(event_id, reason = 'AFTER_GRACE') AS late, "
         "uniqExactIf(event_id, reason = 'ORPHAN') - uniqExactIf(event_id, reason = 'ORPHAN_RESOLVED') AS orphans "
-        f"FROM late_rewards {pv_r} GROUP BY source",
+        f"FROM late_rewards {where} GROUP BY source",
         **params,
     )
     conflicts = reader.rows(
-        "SELECT `components.source`[indexOf(`components.event_id`, eid)] AS source, count() AS conflicts "
-        f"FROM woven_rewards_latest ARRAY JOIN arrayConcat(`conflicts.a_event_id`, `conflicts.b_event_id`) AS eid "
-        f"{pv_w} GROUP BY source",
+        "SELECT `components.source`[indexOf(`components.event_id`, eid)] AS source, "
+        "uniqExact(logical_event_id, eid) AS conflicts FROM woven_rewards "
+        "ARRAY JOIN arrayConcat(`conflicts.a_event_id`, `conflicts.b_event_id`) AS eid "
+        f"WHERE notEmpty(`conflicts.a_event_id`) {also} GROUP BY source",
         **params,
     )
     imputed = reader.rows(
-        "SELECT src AS source, countIf(imp) AS imputed, count() AS woven FROM woven_rewards_latest "
-        f"ARRAY JOIN `components.source` AS src, `components.imputed` AS imp {pv_w} GROUP BY source",
+        "SELECT src AS source, countIf(imp) AS imputed, count() AS woven FROM transitions FINAL "
+        f"ARRAY JOIN `reward_components.source` AS src, `reward_components.imputed` AS imp {where} GROUP BY source",
         **params,
     )
     by_source: dict[str, dict[str, Any]] = {}

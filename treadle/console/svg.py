@@ -106,13 +106,15 @@ def delay_histogram(delays: Sequence[float], window_s: float, grace_s: float, ti
             f'width="{max(0.5, x(b.end) - x(b.start) - 1):.1f}" height="{h:.1f}" fill="{color}">'
             f"<title>{b.count} between {escape(seconds(b.start))} and {escape(seconds(b.end))}</title></rect>"
         )
-    for value, label, color in ((window_s, "window", INK), (deadline, "grace", GRACE)):
-        if low <= value <= high and not (label == "grace" and grace_s == 0):
+    for value, label, color in ((window_s, "window", INK), (deadline, "grace ends", GRACE)):
+        if low <= value <= high and not (label == "grace ends" and grace_s == 0):
             body.append(
                 f'<line x1="{x(value):.1f}" x2="{x(value):.1f}" y1="{top}" y2="{top + plot_h}" stroke="{color}" '
                 f'stroke-dasharray="4 3"/>'
             )
-            body.append(_text(x(value) + 3, top + 10, f"{label} {seconds(value)}", size=10, color=color))
+            near_end = x(value) > left + plot_w - 90
+            at = x(value) - 3 if near_end else x(value) + 3
+            body.append(_text(at, top + 10, f"{label} {seconds(value)}", "end" if near_end else "start", 10, color))
     body.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{top + plot_h}" y2="{top + plot_h}" stroke="{INK}"/>')
     body.append(_text(left, height - 8, seconds(low), size=10))
     body.append(_text(left + plot_w, height - 8, seconds(high), anchor="end", size=10))
