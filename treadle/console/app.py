@@ -17,6 +17,7 @@ from aiohttp import web
 
 from sinks.sql_client import QueryFailedError
 from sinks.sql_guard import ReadOnlyQueryError
+from sinks.sql_params import QueryParameterError
 from topics.settings import Settings
 from treadle.console import pages, queries
 from treadle.console.auth import token_middleware
@@ -74,7 +75,7 @@ async def readable_errors(request: web.Request, handler: Any) -> web.StreamRespo
     """A refused filter or a query the SQL service rejected becomes a page saying so, never a traceback."""
     try:
         return await handler(request)
-    except BadRequestError as exc:
+    except (BadRequestError, QueryParameterError) as exc:
         return render(request, "error.html", status=400, title="bad request", message=str(exc))
     except (QueryFailedError, ReadOnlyQueryError) as exc:
         return render(request, "error.html", status=503, title="SQL service", message=str(exc).splitlines()[0])

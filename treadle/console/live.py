@@ -30,7 +30,7 @@ async def stream_changes(request: web.Request, fingerprint: Fingerprint, interva
     last = await asyncio.to_thread(fingerprint)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max_seconds
-    with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
+    with contextlib.suppress(ConnectionResetError):  # the browser went away
         while loop.time() < deadline:
             await asyncio.sleep(interval)
             try:

@@ -231,8 +231,11 @@ def sessions_fingerprint(reader: SqlReader) -> tuple[Any, ...]:
         "SELECT count() AS n, toUnixTimestamp64Micro(max(updated_at)) AS last, sum(revision) AS revisions "
         "FROM transitions"
     )
-    late = reader.rows("SELECT count() AS n FROM late_rewards")
-    return (rows[0]["n"], rows[0]["last"], rows[0]["revisions"], late[0]["n"])
+    others = reader.rows(
+        "SELECT (SELECT count() FROM late_rewards) AS late, (SELECT count() FROM dead_letters) AS dead, "
+        "(SELECT count() FROM raw_events WHERE kind = 'lifecycle') AS lifecycle"
+    )
+    return (rows[0]["n"], rows[0]["last"], rows[0]["revisions"], *others[0].values())
 
 
 # ---- one session: the trace timeline --------------------------------------------------------------------------
