@@ -21,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -362,6 +363,13 @@ def test_state_explorer_moves_between_versions_and_diffs_them(pipeline, console,
     page.wait_for_url(f"**at={first_delta}**")
     assert page.locator("#version-id").inner_text() == versions[first_delta - 1][1]
     assert page.locator('#nodes tr[data-node-id="doc-2"]').count() == 1
+
+    at_time = state_at(settings, w.main, first_delta).time  # the same version, asked for by time
+    page.goto(f"{console.url}/sessions/{w.main}/state")
+    page.fill("#at-text", datetime.fromtimestamp(at_time / 1e6, UTC).isoformat())
+    page.click("#at-form button")
+    page.wait_for_url("**at=**")
+    assert page.locator("#version-id").inner_text() == versions[first_delta - 1][1]
 
     page.select_option("#diff-from", str(first_delta))
     page.locator("#version-slider").fill(str(versions[-1][0]))
