@@ -490,3 +490,29 @@ def test_live_updates_arrive_without_reloading(pipeline, console, page) -> None:
         assert page.evaluate("window.__notReloaded") is True
         assert int(page.locator("#live").get_attribute("data-updates")) >= 1
         shot(page, "10-live-timeline")
+
+
+def test_a_token_protected_console_refuses_requests_without_the_token(pipeline, page) -> None:
+    settings, w = pipeline
+    token = f"tok-{uuid7()}"
+    server = Console(settings, PORT_BASE - 1100 + (os.getpid() % 100), env={"TREADLE_CONSOLE_TOKEN": token})
+    try:
+        server.wait_ready(headers={"Authorization": f"Bearer {token}"})
+        for path in ("/sessions", f"/sessions/{w.main}", "/static/console.js", "/live/sessions", "/validate"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(server.url + path, timeout=10)
+            assert refused.value.code == 401, path
+        request = urllib.request.Request(server.url + "/sessions", headers={"Authorization": "Bearer wrong"})
+        with pytest.raises(urllib.error.HTTPError) as wrong:
+            urllib.request.urlopen(request, timeout=10)
+        assert wrong.value.code == 401
+
+        page.goto(f"{server.url}/sessions?q={w.main}&token={token}")  # once: a cookie, then the URL without it
+        page.locator(f'tr[data-session="{w.main}"]').wait_for()
+        assert "token" not in page.url
+        page.click(f'tr[data-session="{w.main}"] a.session-link')  # the cookie carries the next requests
+        page.locator("#timeline").wait_for()
+        page.locator("#live-status.on").wait_for()  # the live stream too
+    finally:
+        server.stop()
+    assert token not in server.log.read_text()  # never logged
