@@ -19,7 +19,7 @@ from sinks.sql_client import QueryFailedError
 from sinks.sql_guard import ReadOnlyQueryError
 from sinks.sql_params import QueryParameterError
 from topics.settings import Settings
-from treadle.console import pages, queries
+from treadle.console import pages, queries, svg
 from treadle.console.auth import token_middleware
 from treadle.console.events import RECORD_TYPES, EventChecker, example_event
 from treadle.console.live import stream_changes
@@ -51,7 +51,7 @@ def templates() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["iso"] = pages.iso
-    env.filters["seconds"] = lambda v: "" if v is None else pages.svg.seconds(float(v))
+    env.filters["seconds"] = lambda v: "" if v is None else svg.seconds(float(v))
     env.filters["num"] = lambda v, digits=4: "" if v is None else f"{float(v):.{digits}g}"
     env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, default=str, sort_keys=True)
     return env

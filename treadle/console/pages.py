@@ -18,6 +18,7 @@ from processors.steps.policy import RewardPolicy, load_policy_file
 from sinks.sql_client import run_sql
 from topics.settings import Settings
 from treadle.console import queries, svg
+from treadle.console.events import DecodedBytes, EventChecker
 from treadle.console.params import DeadLetterParams, RewardFlowParams, SessionFilter, StateParams
 from treadle.console.queries import SqlReader
 from treadle.reports.explain import ExplainError, Explanation, fetch_explanation
@@ -251,12 +252,19 @@ def reward_flow_page(
 # ---- dead letters ---------------------------------------------------------------------------------------------
 
 
-def dead_letters_page(reader: SqlReader, p: DeadLetterParams, checker: Any) -> tuple[list[dict], list[dict]]:
+def dead_letters_page(
+    reader: SqlReader, p: DeadLetterParams, checker: EventChecker
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Dead letters by stage and reason, and the latest ones (of a stage) with their value decoded if possible."""
     groups = [{**g, "last": iso(g["last_us"])} for g in queries.dead_letter_groups(reader)]
     rows = []
     for row in queries.dead_letter_rows(reader, p.stage):
         value = None if row["value_null"] else bytes.fromhex(row["value_hex"])
         key = bytes.fromhex(row["key_hex"]).decode("utf-8", "replace")
-        rows.append({**row, "at": iso(row["failed_us"]), "key": key, "decoded": checker.decode(value),
+        decoded = checker.decode(value)
+        if int(row["value_size"]) > queries.MAX_DECODED_BYTES:
+            decoded = DecodedBytes(None, None, f"{row['value_size']} bytes: too large to decode here",
+                                   decoded.text_preview, int(row["value_size"]))  # fmt: skip
+        rows.append({**row, "at": iso(row["failed_us"]), "key": key, "decoded": decoded,
                      "value_hex_short": row["value_hex"][:160]})  # fmt: skip
     return groups, rows

@@ -428,13 +428,20 @@ def dead_letter_groups(reader: SqlReader) -> Rows:
     )
 
 
+MAX_DECODED_BYTES = 65_536  # a dead letter's value can be ~1 MB; larger ones are shown, not decoded
+
+
 def dead_letter_rows(reader: SqlReader, stage: str | None, limit: int = 50) -> Rows:
+    """The latest dead letters (of a stage), their raw key and the first MAX_DECODED_BYTES of the value as hex."""
     where = "WHERE stage = {stage:String}" if stage else ""
     return reader.rows(
         "SELECT dead_letter_id, stage, reason, topic, partition, offset, ifNull(session_id, '') AS session_id, "
         "ifNull(schema_name, '') AS schema_name, toUnixTimestamp64Micro(failed_at) AS failed_us, "
-        "hex(ifNull(key, '')) AS key_hex, isNull(value) AS value_null, hex(ifNull(value, '')) AS value_hex "
+        "hex(substring(ifNull(key, ''), 1, 200)) AS key_hex, isNull(value) AS value_null, "
+        "length(ifNull(value, '')) AS value_size, "
+        "hex(substring(ifNull(value, ''), 1, {max_bytes:UInt32})) AS value_hex "
         f"FROM dead_letters_latest {where} ORDER BY failed_at DESC, dead_letter_id LIMIT {{limit:UInt32}}",
         **({"stage": stage} if stage else {}),
         limit=limit,
+        max_bytes=MAX_DECODED_BYTES,
     )
