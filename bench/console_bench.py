@@ -5,7 +5,7 @@ migrated tables with `INSERT … SELECT FROM numbers()` (sessions x steps transi
 each, the components themselves, one woven reward per step, late rewards for 5% of steps, dead letters for 1% of
 sessions, lifecycle events with half the sessions ended) and serves `sinks.service.sql_app` on 127.0.0.1, the
 endpoint `treadle sql` and the console use while a worker runs. This process runs the console application and times
-whole HTTP requests (query through the service + template render), --renders times per page: p50 and p95 per page.
+whole HTTP requests (query through the service + template render), --renders rounds over the pages: p50, p95 per page.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def pages(steps: int) -> dict[str, str]:
         "sessions sorted by steps": "/sessions?sort=steps&order=desc",
         "sessions by agent + policy": "/sessions?agent=agent-7&policy=pv-1",
         "sessions, ended, page 200": "/sessions?status=ended&page=200",
+        "sessions by dead letters (full join)": "/sessions?sort=dead_letters&order=desc",
         "sessions, search a step id": f"/sessions?q=bl-{4242 * steps + 1}",
         "timeline of one session": f"/sessions/{mid}",
         "step explanation": f"/steps/bl-{4242 * steps + 1}",
@@ -170,19 +171,21 @@ def run(sessions: int, steps: int, renders: int) -> None:
             import threading
 
             threading.Thread(target=loop.run_forever, daemon=True).start()
-            print(f"\n{'page':32} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}  (n={renders}, {sessions:,} sessions)")
-            for name, path in pages(steps).items():
-                times = []
-                for i in range(renders + 1):
+            print(f"\n{'page':36} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}  (n={renders}, {sessions:,} sessions)")
+            times: dict[str, list[float]] = {name: [] for name in pages(steps)}
+            for i in range(renders + 1):  # round robin: a burst of load elsewhere hits every page alike
+                for name, path in pages(steps).items():
                     started = time.perf_counter()
                     with urllib.request.urlopen(f"http://127.0.0.1:{CONSOLE_PORT}{path}", timeout=120) as response:
                         body = response.read()
                         assert response.status == 200 and b'id="error"' not in body, (path, body[-500:])
-                    if i:  # the first render warms caches
-                        times.append((time.perf_counter() - started) * 1000)
-                times.sort()
-                p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
-                print(f"{name:32} {statistics.median(times):8.1f} {p95:8.1f} {times[-1]:8.1f}", flush=True)
+                    if i:  # the first round warms caches
+                        times[name].append((time.perf_counter() - started) * 1000)
+            for name, values in times.items():
+                values.sort()
+                p95 = values[min(len(values) - 1, round(0.95 * (len(values) - 1)))]
+                print(f"{name:36} {statistics.median(values):8.1f} {p95:8.1f} {values[-1]:8.1f}")
+            print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         finally:
             child.terminate()
