@@ -21,7 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
@@ -307,6 +307,17 @@ def test_sessions_list_to_timeline_to_explanation_shows_what_sql_says(pipeline, 
     assert [r.get_attribute("data-session") for r in page.locator("#sessions tbody tr[data-session]").all()] == [w.main]
     page.goto(f"{console.url}/sessions?status=open&q=cs-")
     assert w.main not in page.locator("#sessions").inner_text()
+    main_start = datetime.fromtimestamp(w.base / S, UTC)
+    page.goto(
+        f"{console.url}/sessions?q=cs-&until={(main_start + timedelta(seconds=30)).strftime('%Y-%m-%dT%H:%M:%S')}"
+    )
+    assert [r.get_attribute("data-session") for r in page.locator("#sessions tbody tr[data-session]").all()] == [w.main]
+    page.goto(
+        f"{console.url}/sessions?q=cs-&since={(main_start + timedelta(seconds=450)).strftime('%Y-%m-%dT%H:%M:%S')}"
+    )
+    assert [r.get_attribute("data-session") for r in page.locator("#sessions tbody tr[data-session]").all()] == [
+        w.other
+    ]
     page.goto(f"{console.url}/sessions?q=cs-&sort=steps&order=desc")
     first = page.locator("#sessions tbody tr[data-session]").first.get_attribute("data-session")
     assert first == w.main
