@@ -67,7 +67,7 @@ def _fragment(request: web.Request) -> bool:
 
 
 async def _in_thread(fn: Any, *args: Any) -> Any:
-    return await asyncio.to_thread(fn, *args)
+    return await asyncio.to_thread(queries.one_at_a_time, fn, *args)
 
 
 @web.middleware

@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from treadle.console.queries import one_at_a_time
+
 Fingerprint = Callable[[], tuple[Any, ...]]
 
 
@@ -27,14 +29,14 @@ async def stream_changes(request: web.Request, fingerprint: Fingerprint, interva
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"})
     await response.prepare(request)
     await response.write(b"retry: 2000\n\n")
-    last = await asyncio.to_thread(fingerprint)
+    last = await asyncio.to_thread(one_at_a_time, fingerprint)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max_seconds
     with contextlib.suppress(ConnectionResetError):  # the browser went away
         while loop.time() < deadline:
             await asyncio.sleep(interval)
             try:
-                now = await asyncio.to_thread(fingerprint)
+                now = await asyncio.to_thread(one_at_a_time, fingerprint)
             except Exception:  # the sink restarting, say: keep the stream, try again next time
                 await response.write(b": waiting for the SQL service\n\n")
                 continue

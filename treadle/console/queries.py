@@ -8,16 +8,29 @@ never from the request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from sinks.sql_client import run_sql
 from topics.settings import Settings
 from treadle.console.params import SessionFilter
 
 Rows = list[dict[str, Any]]
+T = TypeVar("T")
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def one_at_a_time(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` while no other console read runs. With no worker, run_sql opens embedded chDB in this process for
+    each statement, and chDB must not be opened or called from two threads at once; through the sink's service the
+    sink runs one statement at a time anyway, so this costs nothing there."""
+    with _ONE_AT_A_TIME:
+        return fn(*args)
+
+
 RawRunner = Callable[..., tuple[list[str], list[list[Any]]]]  # (query, params=...) -> (columns, rows)
 
 
