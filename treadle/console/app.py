@@ -106,7 +106,9 @@ async def step(request: web.Request) -> web.Response:
     p = ExplainParams.parse(request.query)
     explanation, error = await _in_thread(pages.explanation_page, request.app[SETTINGS_KEY], lid, p.revision)
     as_json = None if explanation is None else explanation.as_json()
-    return render(request, "step.html", lid=lid, e=explanation, error=error, as_json=as_json, title=f"step {lid}")
+    labels = {} if explanation is None else {c.event_id: f"{c.source}/{c.name}" for c in explanation.components}
+    return render(request, "step.html", lid=lid, e=explanation, error=error, as_json=as_json, labels=labels,
+                  title=f"step {lid}")  # fmt: skip
 
 
 async def state(request: web.Request) -> web.Response:
