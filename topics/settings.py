@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, SecretStr, ValidationError
 
 _ENV_NAMES = {
     "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
@@ -163,6 +163,16 @@ class Settings(BaseModel):
         default=16067,
         description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves its own /metrics.",
     )
+    console_port: int = Field(
+        default=16068,
+        description="TREADLE_CONSOLE_PORT: port of `treadle console`, the read-only web console (binds 127.0.0.1 "
+        "unless told otherwise).",
+    )
+    console_token: SecretStr | None = Field(
+        default=None,
+        description="TREADLE_CONSOLE_TOKEN: secret every console request must carry (`Authorization: Bearer`, or "
+        "`?token=` once, which sets a cookie); required to bind `treadle console` to a non-loopback address.",
+    )
     sink_batch_size: int = Field(
         default=5000,
         description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert: a table's batch is inserted as soon as it "
@@ -285,6 +295,8 @@ class Settings(BaseModel):
         for field, value in self.model_dump().items():
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
             if value is not None:
                 env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)
         return env

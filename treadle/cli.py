@@ -614,6 +614,26 @@ def state(
         raise UserError(str(exc)) from None
 
 
+@app.command("console")
+@friendly
+def console_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs a token."),
+    port: int = typer.Option(None, "--port", help="Port (default TREADLE_CONSOLE_PORT)."),
+) -> None:
+    """Serve the read-only debug console: sessions, step timelines, state, reward flow, dead letters, validator."""
+    from treadle.console.auth import UnsafeBindError
+    from treadle.console.server import run_console
+
+    s = settings()
+    logging.getLogger("treadle.console").setLevel(logging.WARNING)
+    try:
+        run_console(s, host, port or s.console_port)
+    except UnsafeBindError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot serve the console on {host}:{port or s.console_port}: {exc.strerror}") from None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()
