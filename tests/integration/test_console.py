@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 
+import playwright.sync_api as playwright_sync  # the test extra: a missing one fails, never skips
 import pytest
 
 from sinks.sql_client import run_sql
@@ -41,7 +42,6 @@ from treadle.state.history import diff, state_at
 
 pytestmark = pytest.mark.integration
 
-import playwright.sync_api as playwright_sync  # the test extra; a missing one fails, never skips
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
