@@ -20,10 +20,6 @@ from treadle.console.queries import SqlReader
 
 pytestmark = pytest.mark.integration
 
-LLM_CALLS = """CREATE TABLE llm_calls (event_id String, session_id String, logical_event_id String,
-    event_time DateTime64(6, 'UTC'), model LowCardinality(String), completion_text String,
-    prompt_token_ids Array(UInt32)) ENGINE = MergeTree ORDER BY (session_id, event_id)"""
-
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqlReader]:
@@ -65,17 +61,14 @@ def test_status_and_count_sorts_use_the_full_join(reader: SqlReader) -> None:
     assert by_dead.rows[0]["dead_letters"] == max(r["dead_letters"] for r in by_dead.rows) >= 1
 
 
-def test_llm_calls_show_only_when_the_table_exists(reader: SqlReader) -> None:
-    assert queries.session_llm_calls(reader, "bs-1") is None
+def test_llm_calls_show_their_summary_columns_only(reader: SqlReader) -> None:
+    assert queries.session_llm_calls(reader, "bs-1") == []
     with ClickHouseStore.open(reader.settings) as store:
-        store.command_sync(LLM_CALLS)
         store.command_sync(
-            "INSERT INTO llm_calls VALUES ('e1', 'bs-1', 'bl-4', now64(6), 'qwen', repeat('x', 500), [1, 2, 3])"
+            "INSERT INTO llm_calls (event_id, session_id, logical_event_id, event_time, model, completion_text, "
+            "prompt_token_ids) VALUES ('e1', 'bs-1', 'bl-4', now64(6), 'qwen', repeat('x', 500), [1, 2, 3])"
         )
-        try:
-            calls = queries.session_llm_calls(reader, "bs-1")
-        finally:
-            store.command_sync("DROP TABLE llm_calls")
-    assert calls is not None and len(calls) == 1
-    assert set(calls[0]) == {"logical_event_id", "event_time", "model", "completion_text"}  # no token ids
-    assert calls[0]["completion_text"] == "x" * 120
+    calls = queries.session_llm_calls(reader, "bs-1")
+    assert len(calls) == 1
+    assert set(calls[0]) == set(queries.LLM_CALL_COLUMNS)  # no token ids, no prompt
+    assert calls[0]["model"] == "qwen" and calls[0]["completion_text"] == "x" * 120

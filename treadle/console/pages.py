@@ -92,7 +92,7 @@ class TimelineView:
     steps: list[StepLane]
     orphans: list[RewardLine]
     reward_chart: Markup
-    llm_calls: list[dict[str, Any]] | None
+    llm_calls: list[dict[str, Any]]
     scale_s: float
     policy_version: str
     counts: dict[str, int]

@@ -305,20 +305,12 @@ LLM_CALL_COLUMNS = ("logical_event_id", "event_time", "provider", "model", "fini
                     "completion_tokens", "latency_ms", "cost_usd", "completion_text")  # fmt: skip
 
 
-def session_llm_calls(reader: SqlReader, session: str, limit: int = 500) -> Rows | None:
-    """The session's LLM calls when an `llm_calls` table exists (another processor adds it); None when absent.
-
-    Only the summary columns it has (never token ids or whole prompts), each cut to 120 characters.
-    """
-    found = reader.rows("SELECT name FROM system.columns WHERE database = currentDatabase() AND table = 'llm_calls'")
-    present = {str(r["name"]) for r in found}
-    if "session_id" not in present:
-        return None
-    columns = [c for c in LLM_CALL_COLUMNS if c in present]
-    shown = ", ".join(f"leftUTF8(toString(`{c}`), 120) AS `{c}`" for c in columns) or "count() AS calls"
-    order = "ORDER BY event_time " if "event_time" in present else ""
+def session_llm_calls(reader: SqlReader, session: str, limit: int = 500) -> Rows:
+    """The session's LLM calls: only summary columns (never token ids or whole prompts), each cut to 120 characters."""
+    shown = ", ".join(f"leftUTF8(toString(`{c}`), 120) AS `{c}`" for c in LLM_CALL_COLUMNS)
     return reader.rows(
-        f"SELECT {shown} FROM llm_calls WHERE session_id = {{session:String}} {order}LIMIT {{limit:UInt32}}",
+        f"SELECT {shown} FROM llm_calls_latest WHERE session_id = {{session:String}} ORDER BY event_time "
+        "LIMIT {limit:UInt32}",
         session=session,
         limit=limit,
     )
