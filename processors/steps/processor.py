@@ -13,9 +13,10 @@ are checked after each batch, in the partitions it read (its input moved their w
 timer every TREADLE_WINDOW_TICK_S, so steps close even when no input arrives. The queues live in memory
 and are rebuilt from the table when the worker starts.
 
-Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition): a step still waiting
-for a required source does not publish its pending row, which its rewards in the backlog would supersede moments
-later; once caught up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
+Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition), or resuming after a
+silence until every input topic has delivered (processors/steps/watermarks.py): a step still waiting for a required
+source does not publish its pending row, which its rewards in the backlog would supersede moments later; once caught
+up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
 
 Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
 be woven into it any more), the timer deletes its state (processors/steps/expiry.py), so the table, and with it
@@ -374,7 +375,11 @@ class StepProcessor:
     # --- catching up ---------------------------------------------------------------------------------------------
 
     def _catching_up(self, partition: int, ctx: ProcessingContext) -> bool:
-        """Unknown counts as catching up: right after start, before a fetch reported every input topic's end."""
+        """Unknown counts as catching up: right after start, before a fetch reported every input topic's end. So does
+        a resume after a silence while its watermark is held (Watermarks.holding): the topics not read yet may hold
+        the rewards a pending row waits for, and deferring it makes the rows the same whichever topic came first."""
+        if self.watermarks.holding(partition):
+            return True
         if self.catch_up_backlog == 0:
             return False
         backlog = ctx.input_backlog(partition)

@@ -14,6 +14,14 @@ hold only rewards, their event times alone would move the watermark past the orp
 dispatches sit in the next fetch, and those would be reported as orphans (seen in the kill -9 test whenever the
 restarted worker's first fetch returned the rewards topic alone).
 
+The same holds after a *silence*: when an event arrives on a partition whose every topic has been idle for
+`idle_timeout_s`, the partition *resumes* as if just seen: each input topic (the expected ones and any seen before)
+holds the watermark where it is until it has delivered since the resume, or for `idle_timeout_s`. Otherwise the
+topic fetched first after the silence set the watermark alone: a burst whose rewards were fetched before its
+dispatches moved it past windows (and orphan waits) that the dispatches' topic had not reached, and the rows
+written depended on which topic the worker happened to read first. `holding(partition)` says whether a resume
+holds it now (the step processor defers pending rows meanwhile, as while catching up).
+
 The *event watermark* is the same without the processing-time advance: how far input events alone carry the
 partition (with every topic idle, the newest event time seen minus the lag).
 Step expiry goes by it, so a silent partition never deletes state on processing time alone (a replay of old
@@ -35,8 +43,11 @@ class _TopicClock:
 
 @dataclass
 class _PartitionClock:
-    started_s: float  # processing time the worker first saw the partition
+    started_s: float  # processing time the worker first saw the partition, or it resumed after a silence
+    expected: frozenset[str]  # topics that hold the watermark until they deliver (or idle) after started_s
     topics: dict[str, _TopicClock] = field(default_factory=dict)
+    delivered: set[str] = field(default_factory=set)  # topics that delivered since started_s
+    resumed: bool = False  # started_s is a resume after a silence, not the first sight of the partition
     watermark_us: int | None = None
     event_watermark_us: int | None = None  # from events only, no idle advance
 
@@ -58,12 +69,18 @@ class Watermarks:
     def _partition(self, partition: int) -> _PartitionClock:
         clock = self._partitions.get(partition)
         if clock is None:
-            clock = self._partitions[partition] = _PartitionClock(self.clock())
+            clock = self._partitions[partition] = _PartitionClock(self.clock(), self.topics)
         return clock
 
     def observe(self, partition: int, topic: str, event_time_us: int) -> None:
         clock = self._partition(partition)
         now = self.clock()
+        if clock.topics and all(now - t.last_seen_s >= self.idle_timeout_s for t in clock.topics.values()):
+            # a silence ends: every topic holds the watermark again until it delivers (see the module docstring)
+            clock.started_s, clock.resumed = now, True
+            clock.expected = self.topics | clock.topics.keys()
+            clock.delivered.clear()
+        clock.delivered.add(topic)
         seen = clock.topics.get(topic)
         if seen is None:
             clock.topics[topic] = _TopicClock(event_time_us, now)
@@ -71,11 +88,20 @@ class Watermarks:
             seen.max_event_us = max(seen.max_event_us, event_time_us)
             seen.last_seen_s = now
 
+    def _held(self, clock: _PartitionClock, now: float) -> bool:
+        """A topic has not delivered since the partition was first seen or resumed, and is not idle either."""
+        return now - clock.started_s < self.idle_timeout_s and not clock.expected <= clock.delivered
+
+    def holding(self, partition: int) -> bool:
+        """Whether a resume after a silence holds the partition's watermark now (not the first sight of it)."""
+        clock = self._partitions.get(partition)
+        return clock is not None and clock.resumed and self._held(clock, self.clock())
+
     def advance(self, partition: int) -> int | None:
         """Recompute and return the partition's watermark (None until it has seen an event or idled)."""
         clock = self._partition(partition)
         now = self.clock()
-        if now - clock.started_s < self.idle_timeout_s and not self.topics <= clock.topics.keys():
+        if self._held(clock, now):
             return clock.watermark_us  # a topic has not delivered yet and is not idle either: it holds everything
         active = [t for t in clock.topics.values() if now - t.last_seen_s < self.idle_timeout_s]
         if clock.topics:
