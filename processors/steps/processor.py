@@ -13,10 +13,13 @@ are checked after each batch, in the partitions it read (its input moved their w
 timer every TREADLE_WINDOW_TICK_S, so steps close even when no input arrives. The queues live in memory
 and are rebuilt from the table when the worker starts.
 
-Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition), or resuming after a
-silence until every input topic has delivered (processors/steps/watermarks.py): a step still waiting for a required
-source does not publish its pending row, which its rewards in the backlog would supersede moments later; once caught
-up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
+Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for the partition): a step still waiting
+for a required source does not publish its pending row, which its rewards in the backlog would supersede moments
+later; once caught up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
+
+Resuming after a silence (Watermarks.holding: every input topic holds the partition's watermark until it has
+delivered): a dispatched step that changes publishes nothing until the hold ends, then its rows as they stand. The
+events of the topics not read yet could change them, so the rows are the same whichever topic is fetched first.
 
 Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
 be woven into it any more), the timer deletes its state (processors/steps/expiry.py), so the table, and with it
@@ -145,6 +148,9 @@ class StepProcessor:
         self._warned_episode_reward = False
         # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
+        # partition -> dispatched steps that changed while a resume held its watermark (published when it ends)
+        # (with what the late-rewards metric needs to know of it before its first held-back change)
+        self._resuming: dict[int, dict[bytes, _Before]] = defaultdict(dict)
         self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
         self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
 
@@ -274,6 +280,8 @@ class StepProcessor:
             if weave is None and state.dispatch is not None:
                 weave = self.assembler.weave(state)  # once for both below
             self._schedule(state, weave)
+            if self._held_back(key, partition, state, entry.before):
+                continue
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=repeated)
             if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
@@ -364,22 +372,21 @@ class StepProcessor:
             if self._settle(state, ctx)[0]:
                 self._changed(key, state, partition)
                 weave = self.assembler.weave(state) if state.dispatch is not None else None
-                everything = not self._defers(key, partition, state, weave, catching_up)
-                await self._publish(state, state.session_key, ctx, before, weave, everything)
+                if not self._held_back(key, partition, state, before):
+                    everything = not self._defers(key, partition, state, weave, catching_up)
+                    await self._publish(state, state.session_key, ctx, before, weave, everything)
             self._schedule(state, weave)
         if self._unwritten.full():
             await self._write_out(ctx)
+        if self._resuming.get(partition) and not self.watermarks.holding(partition):
+            await self._publish_resumed(ctx, partition)
         if not catching_up:
             await self._publish_deferred(ctx, [partition])
 
     # --- catching up ---------------------------------------------------------------------------------------------
 
     def _catching_up(self, partition: int, ctx: ProcessingContext) -> bool:
-        """Unknown counts as catching up: right after start, before a fetch reported every input topic's end. So does
-        a resume after a silence while its watermark is held (Watermarks.holding): the topics not read yet may hold
-        the rewards a pending row waits for, and deferring it makes the rows the same whichever topic came first."""
-        if self.watermarks.holding(partition):
-            return True
+        """Unknown counts as catching up: right after start, before a fetch reported every input topic's end."""
         if self.catch_up_backlog == 0:
             return False
         backlog = ctx.input_backlog(partition)
@@ -397,6 +404,29 @@ class StepProcessor:
             return True
         deferred.discard(key)  # its rows go out now
         return False
+
+    def _held_back(self, key: bytes, partition: int, state: StepState, before: _Before) -> bool:
+        """Whether a changed step keeps its rows until the resume that holds its partition's watermark ends (see the
+        module docstring); a step with no dispatch has only orphan reports, which the held watermark cannot make."""
+        if state.dispatch is None or not self.watermarks.holding(partition):
+            return False
+        held = self._resuming[partition]
+        if key in held:
+            held[key].folded |= before.folded
+        else:
+            held[key] = before
+        self._deferred[partition].discard(key)
+        return True
+
+    async def _publish_resumed(self, ctx: ProcessingContext, partition: int) -> None:
+        """The resume's hold ended: every step held back publishes its rows as they stand now."""
+        held = self._resuming.pop(partition, {})
+        if partition not in set(self._active_partitions()):
+            return  # revoked: its new owner publishes the step's rows when they change
+        for key, before in sorted(held.items()):
+            state = self._load(key, partition)
+            if state is not None and state.dispatch is not None:
+                await self._publish(state, state.session_key, ctx, before)
 
     async def _publish_deferred(self, ctx: ProcessingContext, partitions: list[int]) -> None:
         """Caught up: publish the pending rows deferred in `partitions` of steps that still wait (the others have

@@ -16,7 +16,9 @@ restarted worker's first fetch returned the rewards topic alone).
 
 The same holds after a *silence*: when an event arrives on a partition whose every topic has been idle for
 `idle_timeout_s`, the partition *resumes* as if just seen: each input topic (the expected ones and any seen before)
-holds the watermark where it is until it has delivered since the resume, or for `idle_timeout_s`. Otherwise the
+holds the watermark where it is until it has delivered since the resume, or for `idle_timeout_s` (the topics that
+delivered during a hold count as heard at its end, so the ones active later do not depend on the order they came in
+either). Otherwise the
 topic fetched first after the silence set the watermark alone: a burst whose rewards were fetched before its
 dispatches moved it past windows (and orphan waits) that the dispatches' topic had not reached, and the rows
 written depended on which topic the worker happened to read first. `holding(partition)` says whether a resume
@@ -48,6 +50,7 @@ class _PartitionClock:
     topics: dict[str, _TopicClock] = field(default_factory=dict)
     delivered: set[str] = field(default_factory=set)  # topics that delivered since started_s
     resumed: bool = False  # started_s is a resume after a silence, not the first sight of the partition
+    released_s: float | None = None  # when the hold ended: the last expected topic delivered, or it timed out
     watermark_us: int | None = None
     event_watermark_us: int | None = None  # from events only, no idle advance
 
@@ -75,18 +78,30 @@ class Watermarks:
     def observe(self, partition: int, topic: str, event_time_us: int) -> None:
         clock = self._partition(partition)
         now = self.clock()
-        if clock.topics and all(now - t.last_seen_s >= self.idle_timeout_s for t in clock.topics.values()):
+        if clock.topics and all(
+            now - self._heard_s(clock, n, t) >= self.idle_timeout_s for n, t in clock.topics.items()
+        ):
             # a silence ends: every topic holds the watermark again until it delivers (see the module docstring)
-            clock.started_s, clock.resumed = now, True
+            clock.started_s, clock.resumed, clock.released_s = now, True, None
             clock.expected = self.topics | clock.topics.keys()
             clock.delivered.clear()
         clock.delivered.add(topic)
+        if clock.released_s is None and clock.expected and clock.expected <= clock.delivered:
+            clock.released_s = now  # every expected topic has delivered: the hold ends
         seen = clock.topics.get(topic)
         if seen is None:
             clock.topics[topic] = _TopicClock(event_time_us, now)
         else:
             seen.max_event_us = max(seen.max_event_us, event_time_us)
             seen.last_seen_s = now
+
+    @staticmethod
+    def _heard_s(clock: _PartitionClock, topic: str, seen: _TopicClock) -> float:
+        """When the topic last counts as heard from: a topic that delivered during a hold counts as heard at its end,
+        so the topics of a burst go idle together, not in the order they happened to be fetched."""
+        if clock.released_s is not None and topic in clock.delivered:
+            return max(seen.last_seen_s, clock.released_s)
+        return seen.last_seen_s
 
     def _held(self, clock: _PartitionClock, now: float) -> bool:
         """A topic has not delivered since the partition was first seen or resumed, and is not idle either."""
@@ -103,7 +118,9 @@ class Watermarks:
         now = self.clock()
         if self._held(clock, now):
             return clock.watermark_us  # a topic has not delivered yet and is not idle either: it holds everything
-        active = [t for t in clock.topics.values() if now - t.last_seen_s < self.idle_timeout_s]
+        if clock.released_s is None and not clock.expected <= clock.delivered:
+            clock.released_s = clock.started_s + self.idle_timeout_s  # the hold ended by timeout
+        active = [t for n, t in clock.topics.items() if now - self._heard_s(clock, n, t) < self.idle_timeout_s]
         if clock.topics:
             # every topic idle: none holds the events' progress back, the newest event time carries it
             times = [t.max_event_us for t in clock.topics.values()]
