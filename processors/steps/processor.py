@@ -408,9 +408,13 @@ class StepProcessor:
     def _held_back(self, key: bytes, partition: int, state: StepState, before: _Before) -> bool:
         """Whether a changed step keeps its rows until the resume that holds its partition's watermark ends (see the
         module docstring); a step with no dispatch has only orphan reports, which the held watermark cannot make."""
-        if state.dispatch is None or not self.watermarks.holding(partition):
-            return False
         held = self._resuming[partition]
+        if state.dispatch is None or not self.watermarks.holding(partition):
+            earlier = held.pop(key, None)
+            if earlier is not None:  # held back before: it publishes now, as of before its first held-back change
+                before.orphans, before.dispatched = earlier.orphans, earlier.dispatched
+                before.folded |= earlier.folded
+            return False
         if key in held:
             held[key].folded |= before.folded
         else:
