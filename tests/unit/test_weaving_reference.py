@@ -636,7 +636,9 @@ def test_W29_a_step_closes_at_its_first_waiting_window_whatever_moved_the_waterm
 
 
 def test_W30_horizon_and_the_event_watermark_that_expires_steps() -> None:
-    policy = RewardPolicy(version="ref-4", specs=POLICY.specs, default_window_s=200, default_grace_s=7)
+    policy = RewardPolicy(
+        version="ref-4", specs=POLICY.specs, default_window_s=200, default_grace_s=7, orphan_wait_s=30
+    )
     a, state = step(policy)
     assert a.horizon_us(state) == T0 + 207 * S  # the default window + grace is the latest deadline here
     lonely = StepState("l-2")
