@@ -343,7 +343,7 @@ class StepProcessor:
             ctx.metrics.open_steps.set(open_steps)
             for partition in self._active_partitions():
                 self.watermarks.advance(partition)
-                progress = self.watermarks.event_watermark(partition)  # not the idle advance: see watermarks.py
+                progress = self.watermarks.expiry_watermark(partition)  # not the idle advance: see watermarks.py
                 if progress is not None:
                     await self._expire_due(partition, progress, ctx)
 

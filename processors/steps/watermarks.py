@@ -27,7 +27,7 @@ holds it now (the step processor defers pending rows meanwhile, as while catchin
 The *event watermark* is the same without the processing-time advance: how far input events alone carry the
 partition (with every topic idle, the newest event time seen minus the lag).
 Step expiry goes by it, so a silent partition never deletes state on processing time alone (a replay of old
-events, paused for a moment, would otherwise lose its open steps).
+events, paused for a moment, would otherwise lose its open steps), and never past the watermark (expiry_watermark).
 """
 
 from __future__ import annotations
@@ -144,6 +144,16 @@ class Watermarks:
         """The watermark as input events carry it, never advanced by processing time (as of the last advance)."""
         clock = self._partitions.get(partition)
         return None if clock is None else clock.event_watermark_us
+
+    def expiry_watermark(self, partition: int) -> int | None:
+        """How far steps may expire: the event watermark, but never past the watermark, which must first report what
+        a step's deadlines imply (its orphans, its windows). A resume's hold can leave the watermark behind the
+        events: a reward for a step expired long ago would otherwise start a new step that expired before the held
+        watermark reported it as an orphan."""
+        clock = self._partitions.get(partition)
+        if clock is None or clock.event_watermark_us is None or clock.watermark_us is None:
+            return None
+        return min(clock.event_watermark_us, clock.watermark_us)
 
     def partitions(self) -> list[int]:
         return sorted(self._partitions)

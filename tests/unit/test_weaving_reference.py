@@ -651,7 +651,15 @@ def test_W30_horizon_and_the_event_watermark_that_expires_steps() -> None:
         marks.observe(0, topic, 5 * S)
     clock.now += 1000
     assert marks.advance(0) == int((clock.now - 10) * S)  # every topic idle: processing time
-    assert marks.event_watermark(0) == 4 * S  # the event watermark, which expiry goes by, stays with the events
+    assert marks.event_watermark(0) == marks.expiry_watermark(0) == 4 * S  # expiry stays with the events
+    ahead = warmed(clock)
+    ahead.observe(0, "actions", T0 + 50 * S)
+    ahead.observe(0, "tool_results", T0 + 50 * S)
+    ahead.observe(0, "rewards", T0 + 90 * S)
+    assert ahead.advance(0) == T0 + 49 * S
+    clock.now += 11  # all idle, processing time far behind: the events carry the event watermark to the newest
+    assert ahead.advance(0) == T0 + 49 * S and ahead.event_watermark(0) == T0 + 89 * S
+    assert ahead.expiry_watermark(0) == T0 + 49 * S  # but expiry waits for the watermark (a resume may hold it)
 
 
 # --- the worked example and the page itself ------------------------------------------------------------------------
