@@ -191,9 +191,11 @@ class StepProcessor:
 
     async def write_out(self) -> None:
         """Write the changed steps to the table (RocksDB + changelog): before every offset commit, when a rebalance
-        revokes partitions and when the worker stops (ResumingApp.before_commit)."""
+        revokes partitions and when the worker stops (ResumingApp.before_commit). Rows a resume holds back that wait
+        for nothing go out first: an input whose offset is committed must never leave a final row unpublished."""
         if self.ctx is not None:
             async with self._lock:
+                await self._publish_resumed(self.ctx, final_only=True)
                 await self._write_out(self.ctx)
 
     async def _write_out(self, ctx: ProcessingContext) -> None:
@@ -422,15 +424,25 @@ class StepProcessor:
         self._deferred[partition].discard(key)
         return True
 
-    async def _publish_resumed(self, ctx: ProcessingContext, partition: int) -> None:
-        """The resume's hold ended: every step held back publishes its rows as they stand now."""
-        held = self._resuming.pop(partition, {})
-        if partition not in set(self._active_partitions()):
-            return  # revoked: its new owner publishes the step's rows when they change
-        for key, before in sorted(held.items()):
-            state = self._load(key, partition)
-            if state is not None and state.dispatch is not None:
-                await self._publish(state, state.session_key, ctx, before)
+    async def _publish_resumed(
+        self, ctx: ProcessingContext, partition: int | None = None, final_only: bool = False
+    ) -> None:
+        """The resume's hold on `partition` ended: every step held back there publishes its rows as they stand now.
+        `final_only` (before an offset commit, every partition): only the steps that wait for nothing, which no later
+        change is bound to republish; the others stay held (like a pending row deferred while catching up)."""
+        active = set(self._active_partitions())
+        for held_partition in [partition] if partition is not None else list(self._resuming):
+            held = self._resuming.get(held_partition)
+            if not held:
+                continue
+            for key, before in sorted(held.items()):
+                state = self._load(key, held_partition)
+                weave = self.assembler.weave(state) if state is not None and state.dispatch is not None else None
+                if final_only and weave is not None and weave.waiting:
+                    continue
+                del held[key]
+                if weave is not None and held_partition in active:  # revoked: its new owner replays its inputs
+                    await self._publish(state, state.session_key, ctx, before, weave)  # type: ignore[union-attr]
 
     async def _publish_deferred(self, ctx: ProcessingContext, partitions: list[int]) -> None:
         """Caught up: publish the pending rows deferred in `partitions` of steps that still wait (the others have

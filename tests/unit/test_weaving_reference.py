@@ -520,6 +520,43 @@ def test_W27_after_a_silence_every_topic_holds_the_watermark_until_it_delivers()
     assert marks.advance(0) == T0 + 29 * S and not marks.holding(0)
 
 
+class PublishedRows(StepProcessor):
+    """A step processor whose steps live in a dict and whose rows are recorded, to test what it publishes when."""
+
+    def __init__(self, steps: dict[bytes, StepState]) -> None:
+        super().__init__(StepAssembler(PolicyBook([POLICY])))
+        self.steps, self.sent = steps, []
+
+    def _active_partitions(self) -> list[int]:
+        return [0]
+
+    def _load(self, key: bytes, partition: int) -> StepState | None:
+        return self.steps.get(key)
+
+    async def _publish(self, state, key, ctx, before, weave=None, everything=True) -> None:  # type: ignore[override]
+        self.sent.append(state.logical_event_id)
+
+
+def test_W27_an_offset_commit_during_the_hold_publishes_the_held_steps_that_wait_for_nothing() -> None:
+    """A committed input must never leave a final row unpublished (a crash would lose it); pending ones stay held."""
+    import asyncio
+
+    clock = Clock()
+    _, waiting = step()
+    _, final = step(POLICY, (REWARD, signal("judge", 1.0, 2, 2)), (REWARD, signal("human", 1.0, 3, 3)))
+    final.logical_event_id = "step-2"
+    processor = PublishedRows({b"step-1": waiting, b"step-2": final})
+    processor.watermarks = warmed(clock)
+    clock.now += 11
+    processor.watermarks.observe(0, "rewards", T0 + 5 * S)  # a resume: held
+    for key, state in ((b"step-1", waiting), (b"step-2", final)):
+        assert processor._held_back(key, 0, state, _Before.of(state))
+    asyncio.run(processor._publish_resumed(None, final_only=True))  # type: ignore[arg-type]  # before a commit
+    assert processor.sent == ["step-2"] and set(processor._resuming[0]) == {b"step-1"}
+    asyncio.run(processor._publish_resumed(None, 0))  # type: ignore[arg-type]  # the hold ends
+    assert processor.sent == ["step-2", "step-1"] and processor._resuming[0] == {}
+
+
 # The resume case, deterministic: a burst after a silence, fetched one topic at a time in every order.
 
 RESUME_POLICY = RewardPolicy(
