@@ -19,7 +19,8 @@ later; once caught up, the steps that still wait publish theirs. Final and late-
 
 Resuming after a silence (Watermarks.holding: every input topic holds the partition's watermark until it has
 delivered): a dispatched step that changes publishes nothing until the hold ends, then its rows as they stand. The
-events of the topics not read yet could change them, so the rows are the same whichever topic is fetched first.
+events of the topics not read yet could change them, so the rows are the same whichever topic is fetched first. An
+offset commit meanwhile publishes the held steps that wait for nothing first (a crash must not lose a final row).
 
 Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
 be woven into it any more), the timer deletes its state (processors/steps/expiry.py), so the table, and with it
