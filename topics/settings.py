@@ -149,7 +149,8 @@ class Settings(BaseModel):
     idle_timeout_s: float = Field(
         default=30.0,
         description="TREADLE_IDLE_TIMEOUT_S: a silent input partition stops holding the watermark back after this; "
-        "when all are silent the watermark follows processing time.",
+        "when all are silent the watermark follows processing time. After such a silence each input topic holds it "
+        "again, for at most this long, until it has delivered (docs/weaving-reference.md, W27).",
     )
     window_tick_s: float = Field(
         default=1.0, description="TREADLE_WINDOW_TICK_S: how often the worker closes due step windows with no input."

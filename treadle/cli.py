@@ -7,15 +7,19 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from topics.settings import Settings
+
+if TYPE_CHECKING:
+    from processors.steps.policy import RewardPolicy
 
 app = typer.Typer(help="treadle: the data plane for agentic RL.", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -441,27 +445,31 @@ def policy_push(
     ),
 ) -> None:
     """Publish a reward policy version; workers pick it up within seconds, for steps dispatched after it."""
-    from datetime import UTC, datetime
-
     from processors.steps.policy import load_policy_file
     from processors.steps.policy_topic import PolicyTopic
-    from treadle.reports.eval_report import parse_time
 
-    policy = load_policy_file(path)
-    if policy.effective_from_us == 0:
-        now = datetime.now(UTC)
-        text = effective_from.strip()
-        if text.startswith("+"):  # a duration from now, into the future
-            moment = now + (now - parse_time(text[1:], "--effective-from", now))
-        else:
-            moment = parse_time(text, "--effective-from", now)
-        policy = policy.model_copy(update={"effective_from_us": int(moment.timestamp() * 1_000_000)})
+    policy = effective_policy(load_policy_file(path), effective_from, datetime.now(UTC))
     s = settings()
     topic = PolicyTopic(s.kafka_bootstrap_servers, _catalog(s)["reward_policies"].name)
     if asyncio.run(topic.push(policy)):
         console.print(f"pushed reward policy {policy.version}, effective from {_micros_iso(policy.effective_from_us)}")
     else:
         console.print(f"reward policy {policy.version} was already pushed with this content")
+
+
+def effective_policy(policy: RewardPolicy, text: str, now: datetime) -> RewardPolicy:
+    """The policy `treadle policy push` publishes: effective from `--effective-from` (now, +30s from now, 30m ago or
+    an ISO time) unless its file sets effective_from_us."""
+    from treadle.reports.eval_report import parse_time
+
+    if policy.effective_from_us != 0:
+        return policy
+    text = text.strip()
+    if text.startswith("+"):  # a duration from now, into the future
+        moment = now + (now - parse_time(text[1:], "--effective-from", now))
+    else:
+        moment = parse_time(text, "--effective-from", now)
+    return policy.model_copy(update={"effective_from_us": int(moment.timestamp() * 1_000_000)})
 
 
 @policy_app.command("list")
@@ -487,8 +495,6 @@ def policy_list(as_json: bool = typer.Option(False, "--json", help="Print the po
 
 
 def _micros_iso(micros: int) -> str:
-    from datetime import UTC, datetime
-
     return datetime.fromtimestamp(micros / 1_000_000, UTC).isoformat(timespec="seconds")
 
 

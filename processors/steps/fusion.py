@@ -16,13 +16,16 @@ Semantics, in three phases (w = weight x confidence, both floored at 0; v' = a c
    is normalized weight x v', so the contributions sum to this value; overridden components contribute 0.
 3. Result rules (kind `cap`, `veto`), in declared order, each when its match holds for at least one component
    (active or not): `cap` clamps the running value into [min, max], `veto` replaces it with the rule's `value`.
-   Each records an `Adjustment(rule, delta)`, so value == sum(contributions) + sum(adjustment deltas).
+   Each that acted records an `Adjustment(rule, delta)`, so value == sum(contributions) + sum(adjustment deltas).
 
 Composition: component rules act before result rules whatever their position in the list (a cap declared
 before a scale still clamps the scaled result). Declared order decides which override wins and how result
-rules chain: veto-then-cap caps the vetoed value, cap-then-veto yields the veto. A rule *fires* when its match
-holds for at least one component; `rules_fired` lists fired rules in application order (component rules in
-declared order, then result rules in declared order), which is declared order when component rules come first.
+rules chain: veto-then-cap caps the vetoed value, cap-then-veto yields the veto. A rule *fires* when it acted on
+this reward: a component rule or a veto when its match holds for at least one component, a cap when it also
+changed the value (a cap that clamped nothing is not listed, so `rules_fired` never names a rule that left the
+reward as it was; a veto is listed even when its value equals the running one: the value is then the veto's).
+`rules_fired` lists fired rules in application order (component rules in declared order, then result rules in
+declared order), which is declared order when component rules come first.
 
 Conflicts: every pair of components of different sources (overridden ones included), ordered by event_id,
 whose post-rule values differ by more than `conflict_threshold` (none when it is None).
@@ -298,16 +301,18 @@ def fuse(components: Iterable[Component], policy: FusionPolicy | None = None) ->
     for rule in result_rules:
         if not any(matches[rule.name]):
             continue
-        fired.append(rule.name)
         before = value
         if rule.kind == "cap":
             if rule.min is not None:
                 value = max(value, rule.min)
             if rule.max is not None:
                 value = min(value, rule.max)
+            if value == before:
+                continue  # it clamped nothing: listing it would say it shaped a value it left alone
         else:
             assert rule.value is not None
             value = rule.value
+        fired.append(rule.name)
         adjustments.append(Adjustment(rule=rule.name, kind=rule.kind, delta=value - before))
 
     return Fused(

@@ -17,6 +17,11 @@ Catching up (TREADLE_CATCH_UP_BACKLOG input records or more left in Kafka for th
 for a required source does not publish its pending row, which its rewards in the backlog would supersede moments
 later; once caught up, the steps that still wait publish theirs. Final and late-rewards rows are never deferred.
 
+Resuming after a silence (Watermarks.holding: every input topic holds the partition's watermark until it has
+delivered): a dispatched step that changes publishes nothing until the hold ends, then its rows as they stand. The
+events of the topics not read yet could change them, so the rows are the same whichever topic is fetched first. An
+offset commit meanwhile publishes the held steps that wait for nothing first (a crash must not lose a final row).
+
 Steps do not stay forever: once the watermark is TREADLE_STEP_RETENTION_S past a step's horizon (no reward can
 be woven into it any more), the timer deletes its state (processors/steps/expiry.py), so the table, and with it
 the worker's RocksDB memory and disk, are bounded by the steps of the last horizon + retention.
@@ -145,6 +150,9 @@ class StepProcessor:
         self._warned_episode_reward = False
         # partition -> steps whose pending rows were deferred while catching up there (published once caught up)
         self._deferred: dict[int, set[bytes]] = defaultdict(set)
+        # partition -> dispatched steps that changed while a resume held its watermark (published when it ends)
+        # (with what the late-rewards metric needs to know of it before its first held-back change)
+        self._resuming: dict[int, dict[bytes, _Before]] = defaultdict(dict)
         self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
         self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
         self.source_watch = SourceWatch()  # required sources that went silent (warned: log + metric)
@@ -186,9 +194,11 @@ class StepProcessor:
 
     async def write_out(self) -> None:
         """Write the changed steps to the table (RocksDB + changelog): before every offset commit, when a rebalance
-        revokes partitions and when the worker stops (ResumingApp.before_commit)."""
+        revokes partitions and when the worker stops (ResumingApp.before_commit). Rows a resume holds back that wait
+        for nothing go out first: an input whose offset is committed must never leave a final row unpublished."""
         if self.ctx is not None:
             async with self._lock:
+                await self._publish_resumed(self.ctx, final_only=True)
                 await self._write_out(self.ctx)
 
     async def _write_out(self, ctx: ProcessingContext) -> None:
@@ -282,6 +292,8 @@ class StepProcessor:
             if weave is None and state.dispatch is not None:
                 weave = self.assembler.weave(state)  # once for both below
             self._schedule(state, weave)
+            if self._held_back(key, partition, state, entry.before):
+                continue
             everything = publishes_all(weave, entry.before.folded, reshaped=entry.reshaped, repeated=repeated)
             if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
@@ -344,7 +356,7 @@ class StepProcessor:
             ctx.metrics.open_steps.set(open_steps)
             for partition in self._active_partitions():
                 self.watermarks.advance(partition)
-                progress = self.watermarks.event_watermark(partition)  # not the idle advance: see watermarks.py
+                progress = self.watermarks.expiry_watermark(partition)  # not the idle advance: see watermarks.py
                 if progress is not None:
                     await self._expire_due(partition, progress, ctx)
 
@@ -391,11 +403,14 @@ class StepProcessor:
             if self._settle(state, ctx)[0]:
                 self._changed(key, state, partition)
                 weave = self.assembler.weave(state) if state.dispatch is not None else None
-                everything = not self._defers(key, partition, state, weave, catching_up)
-                await self._publish(state, state.session_key, ctx, before, weave, everything)
+                if not self._held_back(key, partition, state, before):
+                    everything = not self._defers(key, partition, state, weave, catching_up)
+                    await self._publish(state, state.session_key, ctx, before, weave, everything)
             self._schedule(state, weave)
         if self._unwritten.full():
             await self._write_out(ctx)
+        if self._resuming.get(partition) and not self.watermarks.holding(partition):
+            await self._publish_resumed(ctx, partition)
         if not catching_up:
             await self._publish_deferred(ctx, [partition])
 
@@ -420,6 +435,43 @@ class StepProcessor:
             return True
         deferred.discard(key)  # its rows go out now
         return False
+
+    def _held_back(self, key: bytes, partition: int, state: StepState, before: _Before) -> bool:
+        """Whether a changed step keeps its rows until the resume that holds its partition's watermark ends (see the
+        module docstring); a step with no dispatch has only orphan reports, which the held watermark cannot make."""
+        held = self._resuming[partition]
+        if state.dispatch is None or not self.watermarks.holding(partition):
+            earlier = held.pop(key, None)
+            if earlier is not None:  # held back before: it publishes now, as of before its first held-back change
+                before.orphans, before.dispatched = earlier.orphans, earlier.dispatched
+                before.folded |= earlier.folded
+            return False
+        if key in held:
+            held[key].folded |= before.folded
+        else:
+            held[key] = before
+        self._deferred[partition].discard(key)
+        return True
+
+    async def _publish_resumed(
+        self, ctx: ProcessingContext, partition: int | None = None, final_only: bool = False
+    ) -> None:
+        """The resume's hold on `partition` ended: every step held back there publishes its rows as they stand now.
+        `final_only` (before an offset commit, every partition): only the steps that wait for nothing, which no later
+        change is bound to republish; the others stay held (like a pending row deferred while catching up)."""
+        active = set(self._active_partitions())
+        for held_partition in [partition] if partition is not None else list(self._resuming):
+            held = self._resuming.get(held_partition)
+            if not held:
+                continue
+            for key, before in sorted(held.items()):
+                state = self._load(key, held_partition)
+                weave = self.assembler.weave(state) if state is not None and state.dispatch is not None else None
+                if final_only and weave is not None and weave.waiting:
+                    continue
+                del held[key]
+                if weave is not None and held_partition in active:  # revoked: its new owner replays its inputs
+                    await self._publish(state, state.session_key, ctx, before, weave)  # type: ignore[union-attr]
 
     async def _publish_deferred(self, ctx: ProcessingContext, partitions: list[int]) -> None:
         """Caught up: publish the pending rows deferred in `partitions` of steps that still wait (the others have

@@ -139,8 +139,8 @@ def test_explanation_reads_back_what_fusion_decided(home: Settings) -> None:
     assert e.transition is not None and e.transition["revision"] == 5 and e.transition["tool"] == "refund"
 
     older = fetch_explanation(partial(run_sql, home), LID, revision=1)
-    # The cap matches every component, so it fires; it changed nothing, so there is no adjustment.
-    assert (older.revision, older.value, older.rules_fired, older.conflicts) == (1, 0.8, ["floor"], [])
+    # The cap matches every component, but it changed nothing: it is not listed, and there is no adjustment.
+    assert (older.revision, older.value, older.rules_fired, older.conflicts) == (1, 0.8, [], [])
     assert older.components[0].contribution == 0.8 and older.rule_adjustment == 0.0
 
 
@@ -188,7 +188,7 @@ def test_render_shows_every_part(home: Settings) -> None:
     older = Console(record=True, width=220, file=io.StringIO())
     render(fetch_explanation(partial(run_sql, home), LID, revision=1), older)
     text = older.export_text()
-    assert "revision 1 of 1, 2" in text and "rules fired: 1. floor" in text
+    assert "revision 1 of 1, 2" in text and "rules fired: none" in text
 
 
 def test_the_cli_prints_tables_json_and_one_line_errors(home: Settings) -> None:

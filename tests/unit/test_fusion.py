@@ -95,6 +95,8 @@ def test_cap_clamps_the_fused_value_and_records_the_adjustment() -> None:
     assert sum(c.contribution for c in fused.contributions) + adjustment.delta == pytest.approx(fused.value)
     not_matched = fuse([comp("b", "m", 0.7)], FusionPolicy(rules=[rule]))
     assert not_matched is not None and not_matched.value == 0.7 and not_matched.adjustments == []
+    inside = fuse([comp("a", "judge", 0.2, annotator="LLM")], FusionPolicy(rules=[rule]))
+    assert inside is not None and inside.rules_fired == [] and inside.adjustments == []  # matched, clamped nothing
 
 
 def test_veto_and_cap_chain_in_declared_order() -> None:
@@ -105,7 +107,8 @@ def test_veto_and_cap_chain_in_declared_order() -> None:
     cap_then_veto = fuse(components, FusionPolicy(rules=[cap, veto]))
     assert veto_then_cap is not None and veto_then_cap.value == -0.5
     assert cap_then_veto is not None and cap_then_veto.value == -1.0
-    assert veto_then_cap.rules_fired == ["unsafe", "floor"] and cap_then_veto.rules_fired == ["floor", "unsafe"]
+    assert veto_then_cap.rules_fired == ["unsafe", "floor"]
+    assert cap_then_veto.rules_fired == ["unsafe"]  # the floor found 0.4, above it: it changed nothing
 
 
 def test_component_rules_act_before_result_rules_whatever_their_position() -> None:
