@@ -156,16 +156,20 @@ def sink(
     run_sink(settings(), parent_pid=parent or None)
 
 
-@app.command()
+# A query may start with a `-- comment`: click would read it as an unknown option, so unknown options are
+# taken as the argument (`treadle sql -- "…"` and `-` for stdin work too).
+@app.command(context_settings={"ignore_unknown_options": True})
 @friendly
 def sql(
-    query: str = typer.Argument(..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN."),
+    query: str = typer.Argument(
+        ..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN; `-` reads it from stdin."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print rows as JSON lines."),
 ) -> None:
     """Query the ClickHouse tables (through the running worker when it owns the embedded chDB)."""
     from sinks.sql_client import run_sql
 
-    columns, rows = run_sql(settings(), query)
+    columns, rows = run_sql(settings(), sys.stdin.read() if query == "-" else query)
     if as_json:
         for row in rows:
             sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")
