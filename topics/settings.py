@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, SecretStr, ValidationError
 
 _ENV_NAMES = {
     "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
@@ -90,7 +90,8 @@ class Settings(BaseModel):
     bind_host: str = Field(
         default="127.0.0.1",
         description="TREADLE_BIND_HOST: address the worker's web port and the sink's SQL/metrics port bind; "
-        "0.0.0.0 in containers so Prometheus can scrape (the SQL endpoint is read-only).",
+        "0.0.0.0 in containers so Prometheus can scrape. With embedded chDB the sink refuses a non-loopback address "
+        "unless TREADLE_SQL_TOKEN is set (its SQL endpoint reads every table).",
     )
     gpu_sample_seconds: float = Field(
         default=10.0,
@@ -162,6 +163,12 @@ class Settings(BaseModel):
     sql_port: int = Field(
         default=16067,
         description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves its own /metrics.",
+    )
+    sql_token: SecretStr | None = Field(
+        default=None,
+        description="TREADLE_SQL_TOKEN: shared secret of the sink's SQL endpoint: when set, every query must carry "
+        "it (`treadle sql` sends it as a bearer token; /metrics stays open) and a wrong or missing one gets HTTP 401. "
+        "Required to bind the endpoint to a non-loopback TREADLE_BIND_HOST; never logged.",
     )
     sink_batch_size: int = Field(
         default=5000,
@@ -285,6 +292,8 @@ class Settings(BaseModel):
         for field, value in self.model_dump().items():
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
+            elif isinstance(value, SecretStr):
+                value = value.get_secret_value()
             if value is not None:
                 env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)
         return env

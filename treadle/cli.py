@@ -33,6 +33,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from processors.steps.policy import PolicyError
     from sinks.clickhouse import ClickHouseUnavailableError
+    from sinks.sql_auth import SqlExposureError
     from sinks.sql_client import QueryFailedError
     from sinks.sql_guard import ReadOnlyQueryError
     from streams.runtime.plugins import PluginError
@@ -51,6 +52,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         InvalidParamsError,
         ReadOnlyQueryError,
         QueryFailedError,
+        SqlExposureError,
         ClickHouseUnavailableError,
         KafkaConnectionError,
         PluginError,
@@ -139,9 +141,13 @@ def _print_status(status: Any) -> None:
 @friendly
 def worker(loglevel: str = typer.Option("info", help="Log level: debug, info, warning.")) -> None:
     """Run a worker: step assembly, the ClickHouse sink and the SQL endpoint for `treadle sql`."""
+    from sinks.sql_auth import check_sql_bind
     from streams.runtime.worker import run_worker
 
-    run_worker(settings(), loglevel=loglevel)
+    s = settings()
+    if s.sink == "child" and s.embedded_clickhouse:
+        check_sql_bind(s)  # before the worker starts, not in the child's log after it did
+    run_worker(s, loglevel=loglevel)
 
 
 @app.command()
