@@ -22,11 +22,12 @@ from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.consumer import SinkConsumer
 from sinks.merge_settings import apply_merge_settings
 from sinks.migrations import apply_migrations
+from sinks.sink_group import SinkRefusedError
 from sinks.sql_auth import check_sql_bind, token_middleware
 from sinks.sql_guard import ReadOnlyQueryError
 from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
-from streams.runtime.processes import pid_alive
-from streams.runtime.run_info import SqlEndpoint
+from streams.runtime.processes import SINK_REFUSED_EXIT, pid_alive
+from streams.runtime.run_info import SinkRefusal, SqlEndpoint
 from topics import native_codec
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -153,10 +154,18 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
 
 
 def run_sink(settings: Settings, parent_pid: int | None = None) -> None:
-    """Run the sink until SIGTERM/SIGINT; SqlExposureError first when it would serve SQL beyond loopback openly."""
+    """Run the sink until SIGTERM/SIGINT; SqlExposureError first when it would serve SQL beyond loopback openly.
+
+    Exits with SINK_REFUSED_EXIT when its group refuses it (sinks.sink_group), so its worker does not restart it.
+    """
     if settings.embedded_clickhouse:
         check_sql_bind(settings)
     settings.worker_dir.mkdir(parents=True, exist_ok=True)
     tune_collector(settings.gc_thresholds)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings, parent_pid))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(settings, parent_pid))
+    except SinkRefusedError as exc:
+        log.error("this sink stops: %s", exc)
+        SinkRefusal(pid=parent_pid or os.getpid(), reason=str(exc)).write(settings)
+        raise SystemExit(SINK_REFUSED_EXIT) from None

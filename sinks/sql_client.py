@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from sinks.sql_auth import bearer
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
-from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from streams.runtime.run_info import SinkRefusal, SqlEndpoint, WorkerInfo
 from topics.settings import Settings
 
 
@@ -34,7 +34,7 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
         # Opening chDB here would take the data path from the worker's sink, which is about to open it.
-        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+        raise _no_sink_yet(settings, worker)
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
@@ -46,6 +46,15 @@ def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list
             text = str(exc).strip()
             raise QueryFailedError(text.splitlines()[0] if text else type(exc).__name__) from None
     return list(result.column_names), [list(row) for row in result.result_rows]
+
+
+def _no_sink_yet(settings: Settings, worker: WorkerInfo) -> QueryFailedError:
+    """Why a running worker's sink does not answer: refused by its group (for good), or still starting."""
+    refusal = SinkRefusal.read(settings)
+    if refusal is not None:
+        return QueryFailedError(f"worker pid {worker.pid} runs without a sink, so this database is not filled: "
+                                f"its sink was {refusal.reason}; query where that sink runs")  # fmt: skip
+    return QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
 
 
 ArrowRunner = Callable[[str], pa.Table]
@@ -79,7 +88,7 @@ def arrow_batches(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowBa
         return
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
-        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+        raise _no_sink_yet(settings, worker)
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
