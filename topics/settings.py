@@ -155,6 +155,16 @@ class Settings(BaseModel):
     window_tick_s: float = Field(
         default=1.0, description="TREADLE_WINDOW_TICK_S: how often the worker closes due step windows with no input."
     )
+    session_timeout_s: float = Field(
+        default=10.0,
+        ge=6.0,
+        le=60.0,
+        description="TREADLE_SESSION_TIMEOUT_S: how long the worker group waits for a silent worker before it hands "
+        "its partitions to the others (heartbeats go every fifth of it, from the consumer's own thread): a crashed "
+        "worker's partitions are processed again about this long plus a heartbeat after the crash. Lower fails over "
+        "faster; but a worker cut off that long (a network blip, a paused VM, a broker's long GC) is taken for dead "
+        "and its partitions move needlessly. Brokers refuse less than 6 s by default (group.min.session.timeout.ms).",
+    )
     sink: Literal["child", "off"] = Field(
         default="child",
         description="TREADLE_SINK: child = `treadle worker` runs `treadle sink` as a child process; "
