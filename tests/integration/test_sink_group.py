@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from aiokafka import AIOKafkaConsumer
+
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity
 from sinks.sql_client import run_sql
 from tests.factories import RawProducer, dispatch, treadle, wait_for
+from topics.catalog import TopicCatalog
 from topics.ids import uuid7
 from topics.settings import Settings
 
@@ -51,3 +55,93 @@ def test_a_second_embedded_sink_is_refused_and_all_rows_land_in_one_database(
     assert "runs without a sink" in done.stderr and "query where that sink runs" in done.stderr
     second.stop()
     assert run_sql(other, count)[1] == [[0]]  # the refused sink wrote nothing to its own database
+
+
+# --- the assignor alone, against the real broker: which member consumes ---------------------------------------------
+
+
+def identity(name: str, embedded: bool) -> SinkIdentity:
+    return SinkIdentity(instance=uuid7(), host=name, pid=0, embedded=embedded, store=f"/data/{name}")
+
+
+class Member:
+    """A consumer of the sink group's kind (SinkGroupAssignor) on one topic, polled until it has its verdict."""
+
+    def __init__(self, settings: Settings, group: str, who: SinkIdentity) -> None:
+        self.assignor = SinkGroupAssignor(who)
+        self.consumer = AIOKafkaConsumer(
+            TopicCatalog(settings)["actions"].name,
+            bootstrap_servers=settings.kafka_bootstrap_servers,
+            group_id=group,
+            partition_assignment_strategy=(self.assignor,),
+        )
+
+    async def settle(self, seconds: float = 3.0) -> None:
+        """Poll for `seconds` (rebalances complete inside getmany)."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline:
+            await self.consumer.getmany(timeout_ms=200)
+
+    @property
+    def partitions(self) -> set[int]:
+        return {tp.partition for tp in self.consumer.assignment()}
+
+
+async def _members(settings: Settings, *whos: SinkIdentity, stagger: bool) -> list[Member]:
+    group = f"{settings.app_id}-assignor-{uuid7()[:8]}"
+    members = [Member(settings, group, who) for who in whos]
+    if stagger:  # the first joins and settles before the next: it is the incumbent
+        started: list[Member] = []
+        for member in members:
+            await member.consumer.start()
+            started.append(member)
+            await asyncio.gather(*(m.settle() for m in started))
+    else:
+        await asyncio.gather(*(m.consumer.start() for m in members))
+    await asyncio.gather(*(m.settle(4.0) for m in members))
+    return members
+
+
+async def _stop(members: list[Member]) -> None:
+    await asyncio.gather(*(m.consumer.stop() for m in members))
+
+
+def test_sinks_that_all_write_a_server_share_the_partitions(deployment: Settings) -> None:
+    async def run() -> None:
+        members = await _members(deployment, identity("a", False), identity("b", False), stagger=True)
+        try:
+            assert all(m.assignor.refusal is None and m.partitions for m in members)
+            assert members[0].partitions | members[1].partitions == set(range(deployment.partitions))
+        finally:
+            await _stop(members)
+
+    asyncio.run(run())
+
+
+def test_next_to_an_embedded_sink_the_first_one_keeps_every_partition(deployment: Settings) -> None:
+    async def run() -> None:
+        for first_embedded, second_embedded in ((True, True), (False, True), (True, False)):
+            first, second = identity("first", first_embedded), identity("second", second_embedded)
+            members = await _members(deployment, first, second, stagger=True)
+            try:
+                assert members[0].assignor.refusal is None
+                assert members[0].partitions == set(range(deployment.partitions))
+                assert members[1].partitions == set()
+                assert members[1].assignor.refusal is not None and "the sink on first" in members[1].assignor.refusal
+            finally:
+                await _stop(members)
+
+    asyncio.run(run())
+
+
+def test_two_embedded_sinks_starting_at_once_leave_exactly_one_consuming(deployment: Settings) -> None:
+    async def run() -> None:
+        members = await _members(deployment, identity("a", True), identity("b", True), stagger=False)
+        try:
+            consuming = [m for m in members if m.assignor.refusal is None]
+            assert len(consuming) == 1
+            assert consuming[0].partitions == set(range(deployment.partitions))
+        finally:
+            await _stop(members)
+
+    asyncio.run(run())
