@@ -271,7 +271,7 @@ def backlog_catch_up(
 
 def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
     """The worker's CPU over a timed run, as table notes."""
-    if used is None or elapsed <= 0:
+    if used is None or elapsed <= 0 or n <= 0:
         return []
     return [
         f"worker CPU {used:.1f}s = {100 * used / elapsed:.0f}% of one core",
@@ -291,6 +291,9 @@ def _backlog_run(
     timed = run.timed(len(events))
     notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal",
              f"{run.read_before_clock:,} of them read before it (left out of the rate)"]  # fmt: skip
+    if timed <= 0:
+        notes.append("[yellow]the worker read the whole backlog before its ready signal: too small to time "
+                     "(raise --events)[/]")  # fmt: skip
     notes += cpu_notes(run.cpu_s, elapsed, timed)
     return _worker_measurement(
         "treadle worker, backlog",

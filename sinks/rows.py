@@ -86,6 +86,13 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "state_node_ends": ("session_id", "to_ordinal", "node_id", "from_ordinal", "valid_to", "close_op"),
     "state_edges": ("session_id", "from_ordinal", "src", "dst", "type", "data_json", "valid_from", "open_op"),
     "state_edge_ends": ("session_id", "to_ordinal", "src", "dst", "type", "from_ordinal", "valid_to", "close_op"),
+    "llm_calls": (
+        "event_id", "session_id", "logical_event_id", "agent_id", "episode_id", "seq", "event_time", "policy_version",
+        "trace_id", "attributes", "provider", "model", "request_id", "response_id", "choice_index", "messages_json",
+        "prompt_text", "completion_text", "tool_calls_json", "prompt_token_ids", "completion_token_ids",
+        "completion_logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms",
+        "cost_usd", "temperature", "top_p", "seed", "max_tokens", "params_json", "ingested_revision",
+    ),
 }  # fmt: skip
 
 # Topic kinds whose records are their table's row field by field (same names; nested records as Nested columns;
@@ -272,6 +279,31 @@ def _woven_reward(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]
     return [("woven_rewards", row)]
 
 
+_LLM_CALL_FIELDS = TABLE_COLUMNS["llm_calls"][10:-1]  # the record's own fields, named as its columns
+
+
+def _llm_call(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    """An LlmCall: its own table only (not raw_events, where its token arrays would be stored twice)."""
+    envelope = record["envelope"]
+    row: Row = {
+        "event_id": str(envelope["event_id"]),
+        "session_id": envelope["session_id"],
+        "logical_event_id": envelope["logical_event_id"],
+        "agent_id": envelope["agent_id"],
+        "episode_id": envelope["episode_id"],
+        "seq": envelope["seq"],
+        "event_time": micros(envelope["event_time"]),
+        "policy_version": envelope.get("policy_version", ""),
+        "trace_id": envelope.get("trace_id", ""),
+        "attributes": dict(envelope.get("attributes") or {}),
+    }
+    for name in _LLM_CALL_FIELDS:
+        row[name] = record[name]
+    row["completion_logprobs"] = [float(v) for v in record["completion_logprobs"]]
+    row["ingested_revision"] = ROW_FORMAT_REVISION
+    return [("llm_calls", row)]
+
+
 def _dead_letter(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
     row = {
         "dead_letter_id": record["dead_letter_id"],
@@ -375,6 +407,7 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "rewards": _reward_signal,
     "state_deltas": _input_event,
     "lifecycle": _input_event,
+    "llm_calls": _llm_call,
     "transitions": _transition,
     "woven_rewards": _woven_reward,
     "dead_letters": _dead_letter,

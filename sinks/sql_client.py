@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from sinks.sql_auth import bearer
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
+from sinks.sql_params import bind_parameters
 from streams.runtime.run_info import SinkRefusal, SqlEndpoint, WorkerInfo
 from topics.settings import Settings
 
@@ -25,9 +26,15 @@ class QueryFailedError(Exception):
     """ClickHouse rejected the query (unknown table, syntax error...) or the worker did not answer."""
 
 
-def run_sql(settings: Settings, query: str, timeout: float = 60.0) -> tuple[list[str], list[list[Any]]]:
-    """(column names, rows) of one read-only statement; ReadOnlyQueryError for anything else."""
-    statement = check_read_only(query)
+def run_sql(
+    settings: Settings, query: str, timeout: float = 60.0, *, params: Mapping[str, Any] | None = None
+) -> tuple[list[str], list[list[Any]]]:
+    """(column names, rows) of one read-only statement; ReadOnlyQueryError for anything else.
+
+    `params` fills `{name:Type}` placeholders with typed literals (sinks.sql_params.bind_parameters) before the
+    guard reads the statement, so values people type never become SQL.
+    """
+    statement = check_read_only(query if params is None else bind_parameters(query, params))
     endpoint = SqlEndpoint.read(settings)
     if endpoint is not None and settings.embedded_clickhouse:
         return _via_endpoint(endpoint, statement, timeout, bearer(settings))

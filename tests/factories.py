@@ -79,6 +79,7 @@ KIND_OF = {
     "treadle.events.ToolResult": "tool_results",
     "treadle.events.RewardSignal": "rewards",
     "treadle.events.LifecycleEvent": "lifecycle",
+    "treadle.events.LlmCall": "llm_calls",
 }
 
 

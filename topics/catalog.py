@@ -44,6 +44,13 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
     ("rewards", "treadle.events.RewardSignal", TopicRole.INPUT, _DELETE, "Reward signals from any source."),
     ("state_deltas", "treadle.events.StateDelta", TopicRole.INPUT, _DELETE, "Changes to the state graph."),
     ("lifecycle", "treadle.events.LifecycleEvent", TopicRole.INPUT, _DELETE, "Session and episode phases."),
+    (
+        "llm_calls",
+        "treadle.events.LlmCall",
+        TopicRole.INPUT,
+        _DELETE,
+        "Model calls inside steps: prompt, completion, token ids, logprobs (for training triplets).",
+    ),
     ("transitions", "treadle.derived.Transition", TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
     ("woven_rewards", "treadle.derived.WovenReward", TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
     ("dead_letters", "treadle.derived.DeadLetter", TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),

@@ -45,3 +45,30 @@ def overlong_name_problem(record: dict[str, Any]) -> str | None:
         if len(record.get(name) or "") > MAX_NAME_CHARS:
             return f"{name} is {len(record[name]):,} characters long; names are limited to {MAX_NAME_CHARS:,}"
     return None
+
+
+def llm_call_problem(record: dict) -> str | None:
+    """An LlmCall's token arrays and numbers: logprobs align with the completion's token ids when both are given
+    (usage counts may include hidden reasoning tokens, so they are not compared), ids are non-negative, logprobs
+    are finite and at most 0 (above 0 is a caller's bug, e.g. probabilities passed as logprobs)."""
+    if (problem := latency_problem(record["latency_ms"])) is not None:
+        return problem
+    logprobs = record["completion_logprobs"]
+    completion_ids = record["completion_token_ids"]
+    if logprobs and completion_ids and len(logprobs) != len(completion_ids):
+        return (
+            f"completion_logprobs has {len(logprobs)} values but completion_token_ids has {len(completion_ids)} "
+            "tokens; they must align one to one"
+        )
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        if any(token < 0 for token in record[name]):
+            return f"{name} must be non-negative token ids"
+    for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+        if record[name] < 0:
+            return f"{name} must be >= 0, got {record[name]}"
+    if any(not (lp <= 0.0) for lp in logprobs):  # catches NaN too
+        bad = next(lp for lp in logprobs if not (lp <= 0.0))
+        return f"completion_logprobs must be finite log-probabilities <= 0, got {bad}"
+    if any(math.isinf(lp) for lp in logprobs):
+        return "completion_logprobs must be finite (use a large negative number for an impossible token)"
+    return None

@@ -11,6 +11,7 @@ TOOL_RESULT = "treadle.events.ToolResult"
 REWARD = "treadle.events.RewardSignal"
 STATE_DELTA = "treadle.events.StateDelta"
 LIFECYCLE = "treadle.events.LifecycleEvent"
+LLM_CALL = "treadle.events.LlmCall"
 
 TRANSITION = "treadle.derived.Transition"
 WOVEN_REWARD = "treadle.derived.WovenReward"
@@ -20,4 +21,4 @@ STATE_VERSION = "treadle.derived.StateVersion"
 EVALUATION_METRIC = "treadle.derived.EvaluationMetric"
 RESOURCE_SAMPLE = "treadle.derived.ResourceSample"
 
-INPUT_SCHEMAS = (DISPATCH, TOOL_RESULT, REWARD, STATE_DELTA, LIFECYCLE)
+INPUT_SCHEMAS = (DISPATCH, TOOL_RESULT, REWARD, STATE_DELTA, LIFECYCLE, LLM_CALL)

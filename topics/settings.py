@@ -180,6 +180,16 @@ class Settings(BaseModel):
         "it (`treadle sql` sends it as a bearer token; /metrics stays open) and a wrong or missing one gets HTTP 401. "
         "Required to bind the endpoint to a non-loopback TREADLE_BIND_HOST; never logged.",
     )
+    console_port: int = Field(
+        default=16068,
+        description="TREADLE_CONSOLE_PORT: port of `treadle console`, the read-only web console (binds 127.0.0.1 "
+        "unless told otherwise).",
+    )
+    console_token: SecretStr | None = Field(
+        default=None,
+        description="TREADLE_CONSOLE_TOKEN: secret every console request must carry (`Authorization: Bearer`, or "
+        "`?token=` once, which sets a cookie); required to bind `treadle console` to a non-loopback address.",
+    )
     sink_batch_size: int = Field(
         default=5000,
         description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert: a table's batch is inserted as soon as it "
@@ -302,7 +312,7 @@ class Settings(BaseModel):
         for field, value in self.model_dump().items():
             if isinstance(value, tuple):
                 value = ",".join(map(str, value))
-            elif isinstance(value, SecretStr):
+            if isinstance(value, SecretStr):
                 value = value.get_secret_value()
             if value is not None:
                 env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)

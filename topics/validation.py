@@ -12,11 +12,12 @@ from topics.event_checks import (
     MAX_NAME_CHARS,
     event_time_problem,
     latency_problem,
+    llm_call_problem,
     overlong_name_problem,
     reward_problem,
 )
 from topics.json_budget import json_depth_problem
-from topics.names import DISPATCH, REWARD, STATE_DELTA, TOOL_RESULT
+from topics.names import DISPATCH, LLM_CALL, REWARD, STATE_DELTA, TOOL_RESULT
 from topics.tool_schemas import ToolSchemas
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
@@ -62,6 +63,8 @@ class InputValidator:
             return reward_problem(record["value"], record["confidence"])
         if schema_name == STATE_DELTA:
             return _state_delta_problem(record)
+        if schema_name == LLM_CALL:
+            return llm_call_problem(record)
         return None
 
 

@@ -1,8 +1,9 @@
 """treadle: the data plane for agentic reinforcement learning.
 
-The public API. Agents emit with `AgentStream` (or `AgentStreamSync`), reward sources with `RewardEmitter`;
-plugin authors implement `EventProcessor`, publish `reward_signal(...)` and `metric_record(...)` records, and test
-with `treadle.testing`. Everything else is internal and may move.
+The public API. Agents emit with `AgentStream` (or `AgentStreamSync`) and await their steps' `Outcome`s, reward
+sources emit with `RewardEmitter`, trainers read replay data back with `treadle.replay` (the sink extra); plugin
+authors implement `EventProcessor`, publish `reward_signal(...)` and `metric_record(...)` records, and test with
+`treadle.testing`. Everything else is internal and may move.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from streams.sdk import (
     FailedEvent,
     LifecycleKind,
     Node,
+    Outcome,
     ProducerError,
     RewardEmitter,
     RewardEmitterSync,
@@ -45,6 +47,7 @@ __all__ = [
     "InvalidParamsError",
     "LifecycleKind",
     "Node",
+    "Outcome",
     "ProcessingContext",
     "ProducerError",
     "RewardEmitter",

@@ -42,6 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from topics.registry import IncompatibleSchemaError
     from topics.settings import InvalidSettingError
     from topics.tool_schemas import InvalidParamsError
+    from treadle.export_command import ExportOptionError
     from treadle.reports.eval_report import ReportError
 
     return (
@@ -59,6 +60,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         PolicyError,
         ReportError,
         InvalidSettingError,
+        ExportOptionError,
     )
 
 
@@ -557,6 +559,53 @@ def eval_report(
         render(report, console)
 
 
+@app.command("export")
+@friendly
+def export_command(
+    output: Annotated[Path | None, typer.Argument(help="File to write (default with --manifest: its output).")] = None,
+    shape: str = typer.Option("transitions", "--shape", help="transitions, trajectories or triplets."),
+    fmt: str = typer.Option("parquet", "--format", help="parquet, arrow (IPC file) or jsonl."),
+    since: str | None = typer.Option(None, help="Steps dispatched from: ISO time, or a duration ago like 24h, 7d."),
+    until: str | None = typer.Option(None, help="Steps dispatched before: ISO time or duration ago; default now."),
+    policy_version: Annotated[
+        list[str] | None, typer.Option("--policy-version", help="Only this policy version (repeatable).")
+    ] = None,
+    agent: Annotated[list[str] | None, typer.Option("--agent", help="Only this agent id (repeatable).")] = None,
+    session: Annotated[list[str] | None, typer.Option("--session", help="Only this session (repeatable).")] = None,
+    episode: Annotated[list[str] | None, typer.Option("--episode", help="Only this episode (repeatable).")] = None,
+    settled: bool = typer.Option(False, "--settled", help="Only steps whose required reward windows all closed."),
+    status: Annotated[
+        list[str] | None, typer.Option("--status", help="Only this reward status, e.g. complete (repeatable).")
+    ] = None,
+    min_confidence: float | None = typer.Option(None, help="Only steps whose reward components are this confident."),
+    batch_rows: int | None = typer.Option(None, help="Rows per page and record batch (memory per page)."),
+    manifest: Annotated[Path | None, typer.Option(help="Re-run the export this manifest describes.")] = None,
+    force: bool = typer.Option(False, "--force", help="Overwrite the output if it exists."),
+) -> None:
+    """Export replay rows for training (Parquet, Arrow IPC or JSON lines) with a manifest that reproduces them."""
+    from treadle.export_command import run_export
+
+    run_export(
+        settings(),
+        console,
+        output=output,
+        shape=shape,
+        fmt=fmt,
+        since=since,
+        until=until,
+        policy_versions=policy_version or [],
+        agents=agent or [],
+        sessions=session or [],
+        episodes=episode or [],
+        settled=settled,
+        statuses=status or [],
+        min_confidence=min_confidence,
+        batch_rows=batch_rows,
+        manifest=manifest,
+        force=force,
+    )
+
+
 @app.command()
 @friendly
 def state(
@@ -573,6 +622,26 @@ def state(
         run_state_command(settings(), session, at, diff, as_json, console)
     except (ValueError, StateNotFoundError) as exc:
         raise UserError(str(exc)) from None
+
+
+@app.command("console")
+@friendly
+def console_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs a token."),
+    port: int = typer.Option(None, "--port", help="Port (default TREADLE_CONSOLE_PORT)."),
+) -> None:
+    """Serve the read-only debug console: sessions, step timelines, state, reward flow, dead letters, validator."""
+    from treadle.console.auth import UnsafeBindError
+    from treadle.console.server import run_console
+
+    s = settings()
+    logging.getLogger("treadle.console").setLevel(logging.WARNING)
+    try:
+        run_console(s, host, port or s.console_port)
+    except UnsafeBindError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot serve the console on {host}:{port or s.console_port}: {exc.strerror}") from None
 
 
 def main() -> None:

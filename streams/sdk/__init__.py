@@ -4,6 +4,8 @@
 `AgentStreamSync` and `RewardEmitterSync` are their blocking twins. Users import them from `treadle`.
 """
 
+from streams.sdk.llm_calls import LlmCallFields
+from streams.sdk.outcomes import Outcome
 from streams.sdk.rewards import RewardEmitter
 from streams.sdk.stream import AgentStream
 from streams.sdk.sync import AgentStreamSync, RewardEmitterSync
@@ -33,7 +35,9 @@ __all__ = [
     "FailedEvent",
     "InvalidParamsError",
     "LifecycleKind",
+    "LlmCallFields",
     "Node",
+    "Outcome",
     "ProducerError",
     "RewardEmitter",
     "RewardEmitterSync",

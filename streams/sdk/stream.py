@@ -30,17 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from streams.sdk.emitter import (
     _Emitter,
 )
+from streams.sdk.llm_calls import LlmCallFields, openai_llm_calls
+from streams.sdk.outcomes import Outcome, OutcomeWatcher
 from streams.sdk.types import (
+    _METADATA_TIMEOUT_S,
     _TOOL_STATUSES,
     DEFAULT_DELIVERY_TIMEOUT_S,
     Annotator,
@@ -49,6 +53,7 @@ from streams.sdk.types import (
     NodeLike,
     ProducerError,
     StepRef,
+    StreamError,
     ToolCall,
     ToolStatus,
     _edge,
@@ -59,9 +64,9 @@ from streams.sdk.types import (
     _text,
 )
 from topics.codec import AvroCodec
-from topics.event_checks import latency_problem
+from topics.event_checks import latency_problem, llm_call_problem
 from topics.ids import now_micros, uuid7
-from topics.names import DISPATCH, LIFECYCLE, STATE_DELTA, TOOL_RESULT
+from topics.names import DISPATCH, LIFECYCLE, LLM_CALL, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
 
@@ -102,6 +107,9 @@ class AgentStream(_Emitter):
         self.tool_schemas = tool_schemas if tool_schemas is not None else ToolSchemas.load(self.settings.tool_schemas)
         self._step = 0
         self._episode_steps = 0  # dispatches since this stream switched to its current episode
+        self._created_ms = time.time_ns() // 1_000_000  # outcomes are looked up in the log from here
+        self._watcher: OutcomeWatcher | None = None
+        self._watcher_starting: asyncio.Lock | None = None
 
     @property
     def next_step(self) -> int:
@@ -227,16 +235,7 @@ class AgentStream(_Emitter):
             raise ValueError(problem)
         event_id = uuid7()
         record = {
-            "envelope": self._envelope(
-                event_id=event_id,
-                session_id=step.session_id,
-                episode_id=step.episode_id,
-                logical_event_id=step.logical_event_id,
-                seq=self._seq,
-                trace_id=step.trace_id,
-                attributes=attributes,
-                event_time=event_time,
-            ),
+            "envelope": self._step_envelope(step, event_id, attributes, event_time),
             "tool": step.tool,
             "status": status.value,
             "output": _text(output),
@@ -411,6 +410,182 @@ class AgentStream(_Emitter):
         if (waiting := self._send(LIFECYCLE, record, encoded)) is not None:
             await waiting
         return event_id
+
+    async def llm_call(
+        self,
+        step: StepRef,
+        *,
+        model: str,
+        provider: str = "",
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt_text: str = "",
+        completion_text: str = "",
+        prompt_token_ids: Sequence[int] = (),
+        completion_token_ids: Sequence[int] = (),
+        completion_logprobs: Sequence[float] = (),
+        finish_reason: str = "",
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cached_tokens: int = 0,
+        latency_ms: float = 0.0,
+        cost_usd: float = 0.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        params: Mapping[str, Any] | None = None,
+        tool_calls: Sequence[Any] | None = None,
+        request_id: str = "",
+        response_id: str = "",
+        choice_index: int = 0,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+    ) -> str:
+        """Record one model call made inside `step`: what the model saw and said, for training triplets.
+
+        `messages` (chat) and `params` (other request parameters) are stored as JSON. Token counts default to the
+        lengths of the token id lists. Raises ValueError before sending when logprobs do not align with the
+        completion's tokens, or when the encoded event is larger than one Kafka record may be. Returns its event_id.
+        """
+        fields = LlmCallFields(
+            model=model,
+            provider=provider,
+            request_id=request_id,
+            response_id=response_id,
+            choice_index=choice_index,
+            messages_json=_text(list(messages)) if messages is not None else "",
+            prompt_text=prompt_text,
+            completion_text=completion_text,
+            tool_calls_json=_text(list(tool_calls)) if tool_calls else "",
+            prompt_token_ids=list(prompt_token_ids),
+            completion_token_ids=list(completion_token_ids),
+            completion_logprobs=list(completion_logprobs),
+            finish_reason=finish_reason,
+            prompt_tokens=len(prompt_token_ids) if prompt_tokens is None else prompt_tokens,
+            completion_tokens=len(completion_token_ids) if completion_tokens is None else completion_tokens,
+            cached_tokens=cached_tokens,
+            latency_ms=latency_ms,
+            cost_usd=cost_usd,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            params_json=_text(dict(params)) if params else "",
+        )
+        return await self._llm_call(step, fields, attributes, event_time)
+
+    async def llm_call_from_openai(
+        self,
+        step: StepRef,
+        request: Mapping[str, Any] | Any,
+        response: Mapping[str, Any] | Any,
+        *,
+        latency_ms: float = 0.0,
+        provider: str = "openai",
+        request_id: str = "",
+        cost_usd: float = 0.0,
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+    ) -> list[str]:
+        """Record an OpenAI-compatible chat (or text) completion: one LlmCall per choice; their event_ids.
+
+        `request` is what was sent (model, messages, sampling parameters), `response` the completion as a dict (or
+        an object with `model_dump()`). Token ids are taken from vLLM's `prompt_token_ids` / `token_ids` when the
+        server returns them. All choices are checked before any is sent.
+        """
+        calls = openai_llm_calls(
+            request, response, latency_ms=latency_ms, provider=provider, request_id=request_id, cost_usd=cost_usd
+        )
+        for fields in calls:  # every problem before the first send
+            if (problem := llm_call_problem(fields.record_fields())) is not None:
+                raise ValueError(f"choice {fields.choice_index}: {problem}")
+        return [await self._llm_call(step, fields, attributes, event_time) for fields in calls]
+
+    def _step_envelope(
+        self, step: StepRef, event_id: str, attributes: Mapping[str, Any] | None, event_time: int | None
+    ) -> dict[str, Any]:
+        """The envelope of an event about a dispatched step (a tool result, an LLM call): its ids and the next seq."""
+        return self._envelope(
+            event_id=event_id,
+            session_id=step.session_id,
+            episode_id=step.episode_id,
+            logical_event_id=step.logical_event_id,
+            seq=self._seq,
+            trace_id=step.trace_id,
+            attributes=attributes,
+            event_time=event_time,
+        )
+
+    async def _llm_call(
+        self,
+        step: StepRef,
+        fields: LlmCallFields,
+        attributes: Mapping[str, Any] | None,
+        event_time: int | None,
+    ) -> str:
+        self._check_ready()
+        self._surface_failures()
+        event_id = uuid7()
+        record = {
+            "envelope": self._step_envelope(step, event_id, attributes, event_time),
+            **fields.record_fields(),
+        }
+        if (problem := llm_call_problem(record)) is not None:
+            raise ValueError(problem)  # the worker would dead-letter it
+        encoded = self._encode(LLM_CALL, record)
+        self._seq += 1
+        if (waiting := self._send(LLM_CALL, record, encoded)) is not None:
+            await waiting
+        return event_id
+
+    # -- rewards back to the agent --------------------------------------------------------------
+
+    async def outcome(self, step: StepRef | str, timeout: float = 60.0) -> Outcome:
+        """The step's woven reward once its required sources are in (or their windows passed); else, at `timeout`
+        seconds, a partial Outcome (`partial=True`, no value) with the reward signals seen so far.
+
+        Read from the woven-rewards topic as the worker publishes it (OutcomeWatcher says why not SQL); works
+        for steps of this stream's session dispatched since it was created.
+        """
+        lid = step.logical_event_id if isinstance(step, StepRef) else step
+        number = step.step if isinstance(step, StepRef) else -1
+        watcher = await self._outcome_watcher()
+        return await watcher.outcome(lid, number, timeout)
+
+    async def outcomes(self) -> AsyncIterator[Outcome]:
+        """Woven rewards of this stream's session as the worker publishes them: first the latest revision of each
+        step rewarded so far, then every new revision. Runs until the caller stops iterating."""
+        watcher = await self._outcome_watcher()
+        async for outcome in watcher.outcomes():
+            yield outcome
+
+    async def _outcome_watcher(self) -> OutcomeWatcher:
+        self._check_ready()
+        if self._watcher_starting is None:
+            self._watcher_starting = asyncio.Lock()
+        async with self._watcher_starting:
+            if self._watcher is None:
+                watcher = OutcomeWatcher(self.settings, self._codec, self.session_id, self._created_ms)
+                await watcher.start({topic: await self._partitions_of(topic) for topic in watcher.topics})
+                self._watcher = watcher
+        return self._watcher
+
+    async def _partitions_of(self, topic: str) -> int:
+        assert self._producer is not None
+        try:
+            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
+        except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
+            raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)") from None
+        return len(partitions)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the producer if this stream created it, and stop reading outcomes."""
+        try:
+            await super().close(timeout)
+        finally:
+            if self._watcher is not None:
+                watcher, self._watcher = self._watcher, None
+                await watcher.stop()
 
 
 class _AsyncToolCallContext:

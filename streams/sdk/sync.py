@@ -12,12 +12,13 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future as ConcurrentFuture
 from types import TracebackType
 from typing import Any, ClassVar, Self, TypeVar
 
 from streams.sdk.emitter import _Emitter
+from streams.sdk.outcomes import Outcome
 from streams.sdk.rewards import RewardEmitter
 from streams.sdk.stream import AgentStream
 from streams.sdk.types import StepRef, StreamError, ToolCall
@@ -166,6 +167,22 @@ class AgentStreamSync(_SyncFacade):
     reward = blocking(AgentStream.reward)
     delta = blocking(AgentStream.delta)
     lifecycle = blocking(AgentStream.lifecycle)
+    llm_call = blocking(AgentStream.llm_call)
+    llm_call_from_openai = blocking(AgentStream.llm_call_from_openai)
+    outcome = blocking(AgentStream.outcome)
+
+    def outcomes(self) -> Iterator[Outcome]:
+        """See AgentStream.outcomes; a blocking generator (close it, or leave the loop, to stop reading)."""
+        iterator = self._inner.outcomes()
+        try:
+            while True:
+                try:
+                    yield self._runner.call(anext(iterator))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._runner.loop.is_closed():
+                self._runner.call(iterator.aclose())
 
     def tool_call(self, step: StepRef) -> _SyncToolCallContext:
         """See AgentStream.tool_call; a plain `with` block, timed in the caller's thread."""

@@ -1,0 +1,2 @@
+DROP VIEW IF EXISTS {database}.llm_calls_latest;
+DROP TABLE IF EXISTS {database}.llm_calls;
