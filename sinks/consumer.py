@@ -14,6 +14,7 @@ from aiokafka import AIOKafkaConsumer
 
 from sinks.clickhouse import ClickHouseStore
 from sinks.rejected_rows import RejectStage, RowSource
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
 from topics.catalog import TopicCatalog, TopicRole
@@ -44,6 +45,7 @@ class SinkConsumer:
         self.metrics = SinkMetrics()
         self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size, metrics=self.metrics, codec=codec)
         self._consumer: AIOKafkaConsumer | None = None
+        self.assignor = SinkGroupAssignor(SinkIdentity.of(settings))  # one sink per embedded database
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self.skipped = 0
         # inputs of this batch whose writer schema is not known yet, with where their rows came from
@@ -59,6 +61,7 @@ class SinkConsumer:
             max_poll_records=self.settings.sink_batch_size,
             fetch_min_bytes=FETCH_MIN_BYTES,
             fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+            partition_assignment_strategy=(self.assignor,),
         )
 
     @property
@@ -90,6 +93,8 @@ class SinkConsumer:
         timeout_ms = int(self.settings.sink_flush_seconds * 1000)
         while True:
             batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=self.settings.sink_batch_size)
+            if self.assignor.refusal is not None:
+                raise SinkRefusedError(self.assignor.refusal)  # with no partitions: nothing of ours is pending
             for messages in batches.values():
                 for message in messages:
                     full |= self._add(message)

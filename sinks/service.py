@@ -22,10 +22,12 @@ from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.consumer import SinkConsumer
 from sinks.merge_settings import apply_merge_settings
 from sinks.migrations import apply_migrations
+from sinks.sink_group import SinkRefusedError
+from sinks.sql_auth import check_sql_bind, token_middleware
 from sinks.sql_guard import ReadOnlyQueryError
 from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
-from streams.runtime.processes import pid_alive
-from streams.runtime.run_info import SqlEndpoint
+from streams.runtime.processes import SINK_REFUSED_EXIT, pid_alive
+from streams.runtime.run_info import SinkRefusal, SqlEndpoint
 from topics import native_codec
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -55,7 +57,14 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.Application:
+def sql_app(
+    store: ClickHouseStore, sink: SinkConsumer | None = None, *, token: str | None = None, serve_sql: bool = True
+) -> web.Application:
+    """/sql and /arrow (read-only queries; with `token`, only for requests that carry it) and /metrics.
+
+    `serve_sql` False leaves only /metrics: with a ClickHouse server, readers query the server itself.
+    """
+
     async def post_sql(request: web.Request) -> web.Response:
         body = await request.json()
         try:
@@ -90,9 +99,10 @@ def sql_app(store: ClickHouseStore, sink: SinkConsumer | None = None) -> web.App
         body = await sink.exposition() if sink is not None else b""
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
-    app = web.Application()
-    app.router.add_post("/sql", post_sql)
-    app.router.add_post("/arrow", post_arrow)
+    app = web.Application(middlewares=[token_middleware(token)] if token is not None else [])
+    if serve_sql:
+        app.router.add_post("/sql", post_sql)
+        app.router.add_post("/arrow", post_arrow)
     app.router.add_get("/metrics", get_metrics)
     return app
 
@@ -115,12 +125,16 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
     await asyncio.to_thread(apply_merge_settings, store)
     consumer = SinkConsumer(settings, catalog, codec, intake, store)
     consumer.metrics.gc_pauses.watch()
-    runner = web.AppRunner(sql_app(store, consumer), access_log=None)
+    token = settings.sql_token.get_secret_value() if settings.sql_token is not None else None
+    app = sql_app(store, consumer, token=token, serve_sql=settings.embedded_clickhouse)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, settings.bind_host, settings.sql_port).start()
     SqlEndpoint(pid=os.getpid(), port=settings.sql_port).write(settings)
-    log.info("SQL and /metrics on %s:%d; sinking to %s; Avro codec: %s", settings.bind_host, settings.sql_port,
-             store.database, native_codec.describe())  # fmt: skip
+    serving = "SQL and /metrics" if settings.embedded_clickhouse else "/metrics (SQL readers query the server)"
+    log.info("%s on %s:%d%s; sinking to %s; Avro codec: %s", serving, settings.bind_host, settings.sql_port,
+             " (SQL needs TREADLE_SQL_TOKEN)" if token is not None else "", store.database,
+             native_codec.describe())  # fmt: skip
     freeze_startup_objects()
     sink = asyncio.create_task(consumer.run())
     try:
@@ -140,7 +154,18 @@ async def serve(settings: Settings, parent_pid: int | None = None) -> None:
 
 
 def run_sink(settings: Settings, parent_pid: int | None = None) -> None:
+    """Run the sink until SIGTERM/SIGINT; SqlExposureError first when it would serve SQL beyond loopback openly.
+
+    Exits with SINK_REFUSED_EXIT when its group refuses it (sinks.sink_group), so its worker does not restart it.
+    """
+    if settings.embedded_clickhouse:
+        check_sql_bind(settings)
     settings.worker_dir.mkdir(parents=True, exist_ok=True)
     tune_collector(settings.gc_thresholds)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings, parent_pid))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(settings, parent_pid))
+    except SinkRefusedError as exc:
+        log.error("this sink stops: %s", exc)
+        SinkRefusal(pid=parent_pid or os.getpid(), reason=str(exc)).write(settings)
+        raise SystemExit(SINK_REFUSED_EXIT) from None

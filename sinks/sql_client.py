@@ -15,9 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from sinks.sql_auth import bearer
 from sinks.sql_guard import ReadOnlyQueryError, check_read_only
 from sinks.sql_params import bind_parameters
-from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from streams.runtime.run_info import SinkRefusal, SqlEndpoint, WorkerInfo
 from topics.settings import Settings
 
 
@@ -36,11 +37,11 @@ def run_sql(
     statement = check_read_only(query if params is None else bind_parameters(query, params))
     endpoint = SqlEndpoint.read(settings)
     if endpoint is not None and settings.embedded_clickhouse:
-        return _via_endpoint(endpoint, statement, timeout)
+        return _via_endpoint(endpoint, statement, timeout, bearer(settings))
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
         # Opening chDB here would take the data path from the worker's sink, which is about to open it.
-        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+        raise _no_sink_yet(settings, worker)
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
@@ -52,6 +53,15 @@ def run_sql(
             text = str(exc).strip()
             raise QueryFailedError(text.splitlines()[0] if text else type(exc).__name__) from None
     return list(result.column_names), [list(row) for row in result.result_rows]
+
+
+def _no_sink_yet(settings: Settings, worker: WorkerInfo) -> QueryFailedError:
+    """Why a running worker's sink does not answer: refused by its group (for good), or still starting."""
+    refusal = SinkRefusal.read(settings)
+    if refusal is not None:
+        return QueryFailedError(f"worker pid {worker.pid} runs without a sink, so this database is not filled: "
+                                f"its sink was {refusal.reason}; query where that sink runs")  # fmt: skip
+    return QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
 
 
 ArrowRunner = Callable[[str], pa.Table]
@@ -80,11 +90,12 @@ def arrow_batches(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowBa
     """
     endpoint = SqlEndpoint.read(settings)
     if endpoint is not None and settings.embedded_clickhouse:
-        yield lambda queries: _arrow_via_endpoint(endpoint, [check_read_only(q) for q in queries], timeout)
+        auth = bearer(settings)
+        yield lambda queries: _arrow_via_endpoint(endpoint, [check_read_only(q) for q in queries], timeout, auth)
         return
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
-        raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+        raise _no_sink_yet(settings, worker)
     from sinks.clickhouse import ClickHouseStore
 
     with ClickHouseStore.open(settings) as store:
@@ -101,10 +112,12 @@ def arrow_batches(settings: Settings, timeout: float = 60.0) -> Iterator[ArrowBa
         yield run
 
 
-def _arrow_via_endpoint(info: SqlEndpoint, statements: list[str], timeout: float) -> list[pa.Table]:
+def _arrow_via_endpoint(
+    info: SqlEndpoint, statements: list[str], timeout: float, auth: dict[str, str]
+) -> list[pa.Table]:
     from sinks.clickhouse import arrow_table  # lazily, like ClickHouseStore: the CLI starts without it
 
-    body = _post(info, "/arrow", {"sql": statements}, timeout)
+    body = _post(info, "/arrow", {"sql": statements}, timeout, auth)
     tables, at = [], 0
     view = memoryview(body)
     while at < len(view):  # per statement: its stream's length (8 bytes, big-endian), then the stream
@@ -114,17 +127,20 @@ def _arrow_via_endpoint(info: SqlEndpoint, statements: list[str], timeout: float
     return tables
 
 
-def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[list[str], list[list[Any]]]:
-    body = json.loads(_post(info, "/sql", {"sql": statement}, timeout))
+def _via_endpoint(
+    info: SqlEndpoint, statement: str, timeout: float, auth: dict[str, str]
+) -> tuple[list[str], list[list[Any]]]:
+    body = json.loads(_post(info, "/sql", {"sql": statement}, timeout, auth))
     return body["columns"], body["rows"]
 
 
-def _post(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float) -> bytes:
-    """POST JSON to the sink's endpoint; its answer's body, or QueryFailedError with the sink's reason."""
+def _post(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float, auth: dict[str, str]) -> bytes:
+    """POST JSON to the sink's endpoint (with the token header `auth`, if any); its answer's body, or
+    QueryFailedError with the sink's reason."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{info.port}{path}",
         data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth},
         method="POST",
     )
     try:

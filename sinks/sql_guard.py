@@ -61,6 +61,11 @@ _CLAUSE_KEYWORDS = frozenset(
 )  # fmt: skip
 
 
+# Words that take a parenthesised operand after an expression: `x IN (...)`, `x NOT IN (...)`, `a AND (...)`.
+_OPERATORS = frozenset({"IN", "NOT", "AND", "OR", "LIKE", "ILIKE", "BETWEEN", "IS", "GLOBAL"})
+_TABLE_KEYWORD_BEFORE = frozenset({"DESCRIBE", "DESC", "EXISTS", "CREATE", "SHOW", "TEMPORARY"})  # `DESCRIBE TABLE x`
+
+
 class ReadOnlyQueryError(ValueError):
     """A query `treadle sql` refuses; the message is one line meant for the user."""
 
@@ -152,7 +157,12 @@ def _check_reach(tokens: list[Token]) -> None:
         key = name.casefold()
         if key in DENIED_FUNCTIONS:
             raise ReadOnlyQueryError(f"{name}() is refused: it reaches files, the network or other systems")
-        if previous is not None and _in_table_position(previous, scopes[-1]) and key not in SAFE_TABLE_FUNCTIONS:
+        if (
+            previous is not None
+            and _in_table_position(previous, scopes[-1])
+            and key not in SAFE_TABLE_FUNCTIONS
+            and not _is_operator(token, previous, tokens[i - 2] if i > 1 else None)
+        ):
             raise ReadOnlyQueryError(
                 f"table function {name}() is refused: treadle sql allows only table functions that stay inside "
                 "ClickHouse (numbers, values, view, merge, ...)"
@@ -176,6 +186,23 @@ def _in_table_position(previous: Token, scope: _Scope) -> bool:
     if not scope.saw_select or scope.clause not in ("FROM", "JOIN"):
         return False
     return previous.upper in ("FROM", "JOIN") or _is(previous, ",")
+
+
+def _is_operator(token: Token, previous: Token, before: Token | None) -> bool:
+    """Whether `token (` is an operator after an expression, not a call: `WHERE table IN ('t')`.
+
+    The column `table` of system.tables reads like the keyword of `DESCRIBE TABLE f(...)`, so the IN after it
+    looked like a table function. An operator word counts as one only after an operand (a name, a literal or
+    a `)`), never right after FROM, JOIN, a comma or the TABLE of `DESCRIBE TABLE`; what is inside its
+    parentheses is still checked (a denied function is refused by name).
+    """
+    if token.kind is not TokenKind.WORD or token.upper not in _OPERATORS:
+        return False
+    if previous.kind is TokenKind.PUNCTUATION:
+        return previous.text == ")"
+    if previous.upper in ("FROM", "JOIN", "DESCRIBE", "DESC"):
+        return False
+    return previous.upper != "TABLE" or before is None or before.upper not in _TABLE_KEYWORD_BEFORE
 
 
 def _function_name(token: Token) -> str:

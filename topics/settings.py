@@ -90,7 +90,8 @@ class Settings(BaseModel):
     bind_host: str = Field(
         default="127.0.0.1",
         description="TREADLE_BIND_HOST: address the worker's web port and the sink's SQL/metrics port bind; "
-        "0.0.0.0 in containers so Prometheus can scrape (the SQL endpoint is read-only).",
+        "0.0.0.0 in containers so Prometheus can scrape. With embedded chDB the sink refuses a non-loopback address "
+        "unless TREADLE_SQL_TOKEN is set (its SQL endpoint reads every table).",
     )
     gpu_sample_seconds: float = Field(
         default=10.0,
@@ -155,6 +156,16 @@ class Settings(BaseModel):
     window_tick_s: float = Field(
         default=1.0, description="TREADLE_WINDOW_TICK_S: how often the worker closes due step windows with no input."
     )
+    session_timeout_s: float = Field(
+        default=10.0,
+        ge=6.0,
+        le=60.0,
+        description="TREADLE_SESSION_TIMEOUT_S: how long the worker group waits for a silent worker before it hands "
+        "its partitions to the others (heartbeats go every fifth of it, from the consumer's own thread): a crashed "
+        "worker's partitions are processed again about this long plus a heartbeat after the crash. Lower fails over "
+        "faster; but a worker cut off that long (a network blip, a paused VM, a broker's long GC) is taken for dead "
+        "and its partitions move needlessly. Brokers refuse less than 6 s by default (group.min.session.timeout.ms).",
+    )
     sink: Literal["child", "off"] = Field(
         default="child",
         description="TREADLE_SINK: child = `treadle worker` runs `treadle sink` as a child process; "
@@ -163,6 +174,12 @@ class Settings(BaseModel):
     sql_port: int = Field(
         default=16067,
         description="TREADLE_SQL_PORT: port where the sink answers `treadle sql` and serves its own /metrics.",
+    )
+    sql_token: SecretStr | None = Field(
+        default=None,
+        description="TREADLE_SQL_TOKEN: shared secret of the sink's SQL endpoint: when set, every query must carry "
+        "it (`treadle sql` sends it as a bearer token; /metrics stays open) and a wrong or missing one gets HTTP 401. "
+        "Required to bind the endpoint to a non-loopback TREADLE_BIND_HOST; never logged.",
     )
     console_port: int = Field(
         default=16068,

@@ -37,6 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     from processors.steps.policy import PolicyError
     from sinks.clickhouse import ClickHouseUnavailableError
+    from sinks.sql_auth import SqlExposureError
     from sinks.sql_client import QueryFailedError
     from sinks.sql_guard import ReadOnlyQueryError
     from streams.runtime.plugins import PluginError
@@ -56,6 +57,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         InvalidParamsError,
         ReadOnlyQueryError,
         QueryFailedError,
+        SqlExposureError,
         ClickHouseUnavailableError,
         KafkaConnectionError,
         PluginError,
@@ -145,9 +147,13 @@ def _print_status(status: Any) -> None:
 @friendly
 def worker(loglevel: str = typer.Option("info", help="Log level: debug, info, warning.")) -> None:
     """Run a worker: step assembly, the ClickHouse sink and the SQL endpoint for `treadle sql`."""
+    from sinks.sql_auth import check_sql_bind
     from streams.runtime.worker import run_worker
 
-    run_worker(settings(), loglevel=loglevel)
+    s = settings()
+    if s.sink == "child" and s.embedded_clickhouse:
+        check_sql_bind(s)  # before the worker starts, not in the child's log after it did
+    run_worker(s, loglevel=loglevel)
 
 
 @app.command()
@@ -162,16 +168,20 @@ def sink(
     run_sink(settings(), parent_pid=parent or None)
 
 
-@app.command()
+# A query may start with a `-- comment`: click would read it as an unknown option, so unknown options are
+# taken as the argument (`treadle sql -- "…"` and `-` for stdin work too).
+@app.command(context_settings={"ignore_unknown_options": True})
 @friendly
 def sql(
-    query: str = typer.Argument(..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN."),
+    query: str = typer.Argument(
+        ..., help="One read-only statement: SELECT, WITH, SHOW, DESCRIBE, EXPLAIN; `-` reads it from stdin."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print rows as JSON lines."),
 ) -> None:
     """Query the ClickHouse tables (through the running worker when it owns the embedded chDB)."""
     from sinks.sql_client import run_sql
 
-    columns, rows = run_sql(settings(), query)
+    columns, rows = run_sql(settings(), sys.stdin.read() if query == "-" else query)
     if as_json:
         for row in rows:
             sys.stdout.write(json.dumps(dict(zip(columns, row, strict=True)), default=str) + "\n")

@@ -194,9 +194,11 @@ def build_pipeline(
         table_cleanup_interval=60.0,
         producer_acks=-1,
         consumer_auto_offset_reset="earliest",
-        # A crashed worker's partitions move after this long (Faust's default is 60 s).
-        broker_session_timeout=15.0,
-        broker_heartbeat_interval=3.0,
+        # A crashed worker's partitions move after this long (Faust's default is 60 s; operations.md, "Failover");
+        # heartbeats five times in it, so one late heartbeat never costs the membership (Kafka advises at most a
+        # third). Faust heartbeats from its consumer thread, so a busy event loop does not delay them.
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=settings.session_timeout_s / 5,
         producer_linger=0.005,  # batch output records; acks are awaited once per input batch
         # aiokafka's send() waits while its partition's batch is full until the sender drains it (one request
         # per broker in flight), so 16 KiB batches made a worker wait on round trips mid-batch.

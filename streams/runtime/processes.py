@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_TAIL_LINES = 25
+# The exit status of a sink its group refused (another sink consumes next to an embedded database): the worker does
+# not restart such a child, since it would be refused again. 78 is sysexits' EX_CONFIG: fix the deployment.
+SINK_REFUSED_EXIT = 78
 
 
 class StackError(RuntimeError):

@@ -54,3 +54,12 @@ class SqlEndpoint(RunInfo):
 
     file_name: ClassVar[str] = "sql.json"
     port: int
+
+
+@dataclass(frozen=True)
+class SinkRefusal(RunInfo):
+    """sink-refused.json: a sink its group refused (sinks.sink_group) leaves why, under its worker's pid, so that
+    `treadle sql` on this home says where the rows are instead of waiting for a sink that will not come."""
+
+    file_name: ClassVar[str] = "sink-refused.json"
+    reason: str

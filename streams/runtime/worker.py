@@ -22,7 +22,8 @@ from streams.runtime.garbage_collection import freeze_startup_objects, tune_coll
 from streams.runtime.gpu import GpuTelemetry
 from streams.runtime.metrics_page import add_metrics_page
 from streams.runtime.plugins import ProcessorRegistry
-from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from streams.runtime.processes import SINK_REFUSED_EXIT
+from streams.runtime.run_info import SinkRefusal, SqlEndpoint, WorkerInfo
 from topics import native_codec
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
@@ -114,6 +115,7 @@ class SinkChild:
 
     def start(self) -> None:
         SqlEndpoint.path(self.settings).unlink(missing_ok=True)
+        SinkRefusal.path(self.settings).unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "treadle.cli", "sink", "--parent", str(os.getpid())],
             env={**os.environ, **self.settings.to_env()},
@@ -123,6 +125,8 @@ class SinkChild:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None
+            if self.proc.poll() == SINK_REFUSED_EXIT:
+                return  # refused by its group, which has a sink already; supervise() says so
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the sink process exited with code {self.proc.returncode}")
             info = SqlEndpoint.read(self.settings)
@@ -147,6 +151,10 @@ class SinkChild:
             await asyncio.sleep(SINK_CHECK_S)
             if self.proc is None or self.proc.poll() is None:
                 continue
+            if self.proc.returncode == SINK_REFUSED_EXIT:
+                log.error("this worker runs without a sink: its sink child (pid %d) was refused (the reason is above); "
+                          "the group's other sink writes the rows", self.proc.pid)  # fmt: skip
+                return
             lived = time.monotonic() - started
             pause = SINK_CHECK_S if lived > SINK_STABLE_S else min(pause * 2, SINK_RESTART_MAX_S)
             log.error("the sink child (pid %d) exited with code %s after %.0f s; starting it again in %.0f s (its log "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -32,6 +35,27 @@ def test_sql_refuses_anything_but_one_read(tmp_path, query: str, mentions: str) 
     assert lines[0].startswith("error:")
     assert mentions.lower() in lines[0].lower()
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_sql_takes_a_query_that_starts_with_a_comment(tmp_path) -> None:
+    """`-- note` first is a query, not an unknown option; `--` and `-` (stdin) work as well."""
+    settings = Settings(home=tmp_path)
+    query = "-- note\nSELECT table FROM system.tables WHERE table IN ('one')"
+    for args in (("sql", query, "--json"), ("sql", "--json", "--", query)):
+        done = treadle(settings, *args)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"table": "one"}
+    piped = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "sql", "-", "--json"],
+        input="-- from stdin\nSELECT 2 AS two",
+        cwd=REPO_ROOT,
+        env={**os.environ, **settings.to_env()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout) == {"two": 2}
 
 
 def test_sql_routes_through_the_worker_that_owns_chdb(deployment: Settings, worker_factory) -> None:

@@ -56,6 +56,10 @@ ALLOWED = [
     ("EXISTS TABLE system.one", None),
     ("SELECT 1 FROM numbers(1) WHERE 1 IN (SELECT 1)", None),
     ("SELECT update, `system` FROM (SELECT 1 AS update, 2 AS `system`)", None),
+    ("SELECT table FROM system.tables WHERE table IN ('transitions')", None),
+    ("SELECT table FROM system.tables WHERE table NOT IN ('transitions', 'raw_events')", None),
+    ("SELECT database, table FROM system.tables WHERE (database, table) IN (('system', 'one'))", None),
+    ("SELECT count() FROM system.tables WHERE table IN (SELECT 'one') AND (1 = 1)", None),
 ]
 
 REFUSED = [
@@ -121,6 +125,9 @@ REFUSED = [
     ("SELECT * FROM t JOIN someNewTableFunction('x') ON 1", "table function someNewTableFunction() is refused"),
     ("SELECT * FROM (SELECT * FROM url('http://x', 'CSV'))", "url() is refused"),
     ("DESCRIBE TABLE url('http://x', 'CSV')", "url() is refused"),
+    ("DESCRIBE TABLE in('x')", "table function in() is refused"),
+    ("SELECT * FROM numbers(1), in(1)", "table function in() is refused"),
+    ("SELECT table FROM system.tables WHERE table IN (SELECT * FROM file('/etc/passwd'))", "file() is refused"),
     ("SELECT 1 INTO OUTFILE '/tmp/x'", "INTO OUTFILE is refused"),
     ("SELECT * FROM `fi\\le`('/etc/passwd')", "escapes in quoted function names"),
     ("SELECT 'unterminated", "unterminated"),
@@ -193,6 +200,22 @@ def test_arbitrary_text_is_either_allowed_or_refused_cleanly(sql: str) -> None:
         assert "\n" not in str(exc)
     else:
         assert check_read_only(normalized) == normalized
+
+
+COLUMN_NAMES = st.sampled_from(["table", "database", "name", "engine", "`table`", "select", "x"])
+
+
+@given(
+    column=COLUMN_NAMES,
+    operator=st.sampled_from(["IN", "NOT IN", "GLOBAL IN", "in", "not in"]),
+    values=st.lists(st.text(), min_size=1, max_size=4),
+)
+def test_in_after_an_expression_is_an_operator(column: str, operator: str, values: list[str]) -> None:
+    """`x IN (...)` is never a table function, whatever the column is called (`table` looked like a keyword)."""
+    listed = ", ".join(sql_string(v) for v in values)
+    assert verdict(f"SELECT {column} FROM system.tables WHERE {column} {operator} ({listed})") == "allowed"
+    denied = f"SELECT {column} FROM system.tables WHERE {column} {operator} (SELECT * FROM url({listed}))"
+    assert "url() is refused" in verdict(denied)
 
 
 def test_split_statements_ignores_semicolons_in_literals_and_comments() -> None:

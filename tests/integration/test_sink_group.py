@@ -1,0 +1,147 @@
+"""One sink per embedded database: a second worker's sink in the same group is refused, and no row goes missing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import AIOKafkaConsumer
+
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity
+from sinks.sql_client import run_sql
+from tests.factories import RawProducer, dispatch, treadle, wait_for
+from topics.catalog import TopicCatalog
+from topics.ids import uuid7
+from topics.settings import Settings
+
+SESSIONS = 24  # spread over every partition
+
+
+def test_a_second_embedded_sink_is_refused_and_all_rows_land_in_one_database(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    first = worker_factory().start()
+    first.wait_ready()
+    # Started with its defaults on another machine: its own home, hence its own embedded chDB and sink child.
+    other = deployment.model_copy(
+        update={
+            "home": tmp_path / "second",
+            "web_port": deployment.web_port + 400,
+            "sql_port": deployment.sql_port - 1000,
+        }
+    )
+    second = worker_factory(other).start()
+    second.wait_ready()
+    refused = wait_for(
+        lambda: "this sink stops: refused:" in second.log_tail(200) and second.log_tail(200), 90, "the refusal"
+    )
+    assert "already consumes this sink group" in refused and "CLICKHOUSE_URL" in refused
+    assert str((deployment.home / "chdb").resolve()) in refused  # it names the owner's database
+    wait_for(lambda: "this worker runs without a sink" in second.log_tail(200), 30, "the worker to say so")
+    assert "refused" not in first.log_tail(400)
+
+    prefix = f"s-group-{uuid7()[:8]}"
+
+    async def send() -> None:
+        async with RawProducer(deployment) as producer:
+            for i in range(SESSIONS):
+                await producer.send("treadle.events.ActionDispatched", dispatch(f"{prefix}-{i}", uuid7(), 0, 1))
+            await producer.flush()
+
+    asyncio.run(send())
+    count = f"SELECT count() FROM transitions_latest WHERE startsWith(session_id, '{prefix}')"
+    wait_for(lambda: run_sql(deployment, count)[1] == [[SESSIONS]], 90, f"{SESSIONS} transitions in the first database")
+    done = treadle(other, "sql", count)  # on the refused worker's home: where the rows are, not "retry shortly"
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "runs without a sink" in done.stderr and "query where that sink runs" in done.stderr
+    second.stop()
+    assert run_sql(other, count)[1] == [[0]]  # the refused sink wrote nothing to its own database
+
+
+# --- the assignor alone, against the real broker: which member consumes ---------------------------------------------
+
+
+def identity(name: str, embedded: bool) -> SinkIdentity:
+    return SinkIdentity(instance=uuid7(), host=name, pid=0, embedded=embedded, store=f"/data/{name}")
+
+
+class Member:
+    """A consumer of the sink group's kind (SinkGroupAssignor) on one topic, polled until it has its verdict."""
+
+    def __init__(self, settings: Settings, group: str, who: SinkIdentity) -> None:
+        self.assignor = SinkGroupAssignor(who)
+        self.consumer = AIOKafkaConsumer(
+            TopicCatalog(settings)["actions"].name,
+            bootstrap_servers=settings.kafka_bootstrap_servers,
+            group_id=group,
+            partition_assignment_strategy=(self.assignor,),
+        )
+
+    async def settle(self, seconds: float = 3.0) -> None:
+        """Poll for `seconds` (rebalances complete inside getmany)."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline:
+            await self.consumer.getmany(timeout_ms=200)
+
+    @property
+    def partitions(self) -> set[int]:
+        return {tp.partition for tp in self.consumer.assignment()}
+
+
+async def _members(settings: Settings, *whos: SinkIdentity, stagger: bool) -> list[Member]:
+    group = f"{settings.app_id}-assignor-{uuid7()[:8]}"
+    members = [Member(settings, group, who) for who in whos]
+    if stagger:  # the first joins and settles before the next: it is the incumbent
+        started: list[Member] = []
+        for member in members:
+            await member.consumer.start()
+            started.append(member)
+            await asyncio.gather(*(m.settle() for m in started))
+    else:
+        await asyncio.gather(*(m.consumer.start() for m in members))
+    await asyncio.gather(*(m.settle(4.0) for m in members))
+    return members
+
+
+async def _stop(members: list[Member]) -> None:
+    await asyncio.gather(*(m.consumer.stop() for m in members))
+
+
+def test_sinks_that_all_write_a_server_share_the_partitions(deployment: Settings) -> None:
+    async def run() -> None:
+        members = await _members(deployment, identity("a", False), identity("b", False), stagger=True)
+        try:
+            assert all(m.assignor.refusal is None and m.partitions for m in members)
+            assert members[0].partitions | members[1].partitions == set(range(deployment.partitions))
+        finally:
+            await _stop(members)
+
+    asyncio.run(run())
+
+
+def test_next_to_an_embedded_sink_the_first_one_keeps_every_partition(deployment: Settings) -> None:
+    async def run() -> None:
+        for first_embedded, second_embedded in ((True, True), (False, True), (True, False)):
+            first, second = identity("first", first_embedded), identity("second", second_embedded)
+            members = await _members(deployment, first, second, stagger=True)
+            try:
+                assert members[0].assignor.refusal is None
+                assert members[0].partitions == set(range(deployment.partitions))
+                assert members[1].partitions == set()
+                assert members[1].assignor.refusal is not None and "the sink on first" in members[1].assignor.refusal
+            finally:
+                await _stop(members)
+
+    asyncio.run(run())
+
+
+def test_two_embedded_sinks_starting_at_once_leave_exactly_one_consuming(deployment: Settings) -> None:
+    async def run() -> None:
+        members = await _members(deployment, identity("a", True), identity("b", True), stagger=False)
+        try:
+            consuming = [m for m in members if m.assignor.refusal is None]
+            assert len(consuming) == 1
+            assert consuming[0].partitions == set(range(deployment.partitions))
+        finally:
+            await _stop(members)
+
+    asyncio.run(run())
