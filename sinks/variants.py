@@ -20,10 +20,9 @@ from typing import Any
 import orjson
 
 from sinks.clickhouse import ClickHouseStore
-from sinks.export_sql import quote, timestamp
+from sinks.export_sql import LIVE, quote, timestamp
 from sinks.rows import INPUT_SCHEMAS, TABLE_COLUMNS, rows_for
 
-LIVE = "live"
 VARIANT_TABLES = ("transitions", "woven_rewards", "late_rewards", "reward_components")
 # what the live worker publishes -> the topic kind whose row mapper makes its row
 _KINDS = {
