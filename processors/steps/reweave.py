@@ -93,4 +93,3 @@ def _recent_values(policies: PolicyBook, states: Iterable[StepState]) -> RecentV
         if spec.imputation is Imputation.ROLLING_MEAN:
             recent.add(spec.key, float(reward["value"]), spec.rolling_count)
     return recent
-
