@@ -79,8 +79,9 @@ def open_writable_store(settings: Settings) -> ClickHouseStore:
 
     worker = WorkerInfo.read(settings)
     if worker is not None and settings.embedded_clickhouse:
-        raise ReweaveError(f"the worker (pid {worker.pid}) owns the embedded database: stop it first (`treadle "
-                           "stop`), or point treadle at a ClickHouse server (CLICKHOUSE_URL)")  # fmt: skip
+        raise ReweaveError(f"the worker (pid {worker.pid}) owns the embedded database: stop it first (Ctrl-C, or "
+                           f"kill {worker.pid}) and start it again after, or use a ClickHouse server "
+                           "(CLICKHOUSE_URL)")  # fmt: skip
     try:
         return ClickHouseStore.open(settings)
     except ClickHouseUnavailableError as exc:
