@@ -169,3 +169,29 @@ def test_a_policy_effective_later_still_applies_to_every_step_re_woven() -> None
     events = [(DISPATCH, at(dispatch("s-1", "a", 0, 1), 0)), (REWARD, at(reward("s-1", "a", 2, 1.0, "judge"), 1))]
     rows = reweave(random.sample(events, 2), policy_book(later)).rows
     assert {r["reward_policy_version"] for n, r in rows if n == WOVEN_REWARD} == {"live-1"}
+
+
+def test_a_backfilled_reward_source_publishes_what_it_would_live_and_its_signals_are_woven() -> None:
+    from sinks.variants import VariantError, checked_variant, variant_rows
+    from tests.plugin_example import ToolSuccess
+    from treadle.reweave import run_plugin
+
+    events = [
+        (DISPATCH, at(dispatch("s-1", "a", 0, 1), 0)),
+        (TOOL_RESULT, at(result("s-1", "a", 2, "ERROR"), 1)),
+        (REWARD, at(reward("s-1", "a", 3, 1.0, "judge"), 2)),
+        (REWARD, at(reward("s-1", "a", 4, 0.5, "human"), 3)),
+    ]
+    signals = run_plugin(ToolSuccess(), events)
+    [signal] = signals
+    assert (signal["source"], signal["value"]) == ("tool_success", -1.0)
+    assert run_plugin(ToolSuccess(), events) == signals, "the same past gives the same signals (ids included)"
+    rows = reweave([*events, *((REWARD, s) for s in signals)], policy_book(POLICY)).rows
+    [transition] = [r for n, r in rows if n == TRANSITION]
+    assert "tool_success" in [c["source"] for c in transition["reward_components"]]
+    tables = variant_rows("bf", [*rows, *((REWARD, s) for s in signals)])
+    assert len(tables["transitions"]) == 1 and len(tables["reward_components"]) == 1
+    assert {row["variant"] for rows in tables.values() for row in rows} == {"bf"}
+    for bad in ("live", "", "a b", "x'"):
+        with pytest.raises(VariantError):
+            checked_variant(bad)
