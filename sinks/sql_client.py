@@ -112,6 +112,11 @@ def _via_endpoint(info: SqlEndpoint, statement: str, timeout: float) -> tuple[li
     return body["columns"], body["rows"]
 
 
+def post_json(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float) -> bytes:
+    """POST JSON to the sink's endpoint; its answer's body, or QueryFailedError with the sink's reason."""
+    return _post(info, path, payload, timeout)
+
+
 def _post(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float) -> bytes:
     """POST JSON to the sink's endpoint; its answer's body, or QueryFailedError with the sink's reason."""
     request = urllib.request.Request(

@@ -18,10 +18,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from pydantic import BaseModel, ConfigDict, Field
 
 from sinks.clickhouse import ClickHouseStore
 from sinks.export_sql import LIVE, quote, timestamp
 from sinks.rows import INPUT_SCHEMAS, TABLE_COLUMNS, rows_for
+from sinks.sql_client import QueryFailedError, post_json, run_sql_arrow
+from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from topics.settings import Settings
 
 VARIANT_TABLES = ("transitions", "woven_rewards", "late_rewards", "reward_components")
 # what the live worker publishes -> the topic kind whose row mapper makes its row
@@ -33,6 +37,7 @@ _KINDS = {
 _STEP_KINDS = ("actions", "tool_results", "rewards")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 INSERT_ROWS = 20_000  # rows per INSERT
+VARIANT_PART_BYTES = 8 * 1024 * 1024  # JSON per /variant request to the sink (its limit is larger)
 
 
 class VariantError(ValueError):
@@ -102,6 +107,65 @@ def read_past_events(
     return [event_from_row(dict(zip(names, row, strict=True))) for row in result.result_rows]
 
 
+def past_events(settings: Settings, since: datetime | None, until: datetime | None) -> list[tuple[str, dict]]:
+    """read_past_events wherever the database is: through the sink's SQL service while it owns embedded chDB."""
+    rows = run_sql_arrow(settings, past_events_sql(since, until), timeout=600.0).to_pylist()
+    return [event_from_row(row) for row in rows]
+
+
+def write_variant_rows(settings: Settings, variant: str, records: list[tuple[str, dict[str, Any]]]) -> dict:
+    """write_variant wherever the database is: while a sink owns embedded chDB, through its `/variant` endpoint
+    (in parts), else on a store opened here."""
+    checked_variant(variant)
+    endpoint = SqlEndpoint.read(settings) if settings.embedded_clickhouse else None
+    if endpoint is None:
+        worker = WorkerInfo.read(settings)
+        if worker is not None and settings.embedded_clickhouse:
+            raise QueryFailedError(f"worker pid {worker.pid} runs but its sink is not serving SQL yet; retry shortly")
+        with ClickHouseStore.open(settings) as store:
+            return write_variant(store, variant, records)
+    written: dict[str, int] = dict.fromkeys(VARIANT_TABLES, 0)
+    for number, part in enumerate(_parts(records)):
+        payload = {"variant": variant, "replace": number == 0, "records": part}
+        answer = orjson.loads(post_json(endpoint, "/variant", payload, timeout=600.0))
+        for table, count in answer["rows"].items():
+            written[table] += count
+    return written
+
+
+def _parts(records: list[tuple[str, dict[str, Any]]]) -> Iterable[list[dict[str, Any]]]:
+    """`records` as /variant parts of about VARIANT_PART_BYTES of JSON each (at least one part, maybe empty)."""
+    part: list[dict[str, Any]] = []
+    size = 0
+    for schema_name, record in records:
+        size += len(orjson.dumps(record))
+        part.append({"schema_name": schema_name, "record": record})
+        if size >= VARIANT_PART_BYTES:
+            yield part
+            part, size = [], 0
+    if part or size == 0:
+        yield part
+
+
+class VariantRecord(BaseModel):
+    """One row-making record of a variant: a Transition, WovenReward, LateReward or (backfill) RewardSignal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_name: str
+    record: dict[str, Any]
+
+
+class VariantWrite(BaseModel):
+    """What the sink's `/variant` endpoint takes: a part of one variant's records (a re-weave sends several)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    variant: str
+    replace: bool = Field(description="Delete the variant's earlier rows first (the first part of a run).")
+    records: list[VariantRecord]
+
+
 def variant_rows(variant: str, records: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Table -> rows of `records` (Transition, WovenReward, LateReward, and RewardSignal: its reward_components row),
     each tagged with `variant`."""
@@ -117,22 +181,39 @@ def variant_rows(variant: str, records: Iterable[tuple[str, dict[str, Any]]]) ->
     return tables
 
 
-def write_variant(store: ClickHouseStore, variant: str, records: Iterable[tuple[str, dict[str, Any]]]) -> dict:
-    """Replace the rows of `variant` with `records`' rows; returns rows written per table. Live rows are never
-    touched: every statement names the variant, and `live` is refused."""
+def clear_variant(store: ClickHouseStore, variant: str) -> None:
+    """Delete every row of `variant` (a variant is one run: an earlier run's rows under the name go first)."""
     checked_variant(variant)
-    tables = variant_rows(variant, records)
-    for table in VARIANT_TABLES:  # a variant is one run: rows of an earlier run under the name go first
+    for table in VARIANT_TABLES:
         store.command_sync(f"ALTER TABLE {store.database}.{table} DELETE WHERE variant = {quote(variant)} "
                            "SETTINGS mutations_sync = 2")  # fmt: skip
+
+
+def insert_variant(store: ClickHouseStore, variant: str, records: Iterable[tuple[str, dict[str, Any]]]) -> dict:
+    """Insert `records`' rows under `variant`; rows written per table. Live rows are never touched: every row
+    names the variant, and `live` is refused."""
+    checked_variant(variant)
     written = {}
-    for table, rows in tables.items():
+    for table, rows in variant_rows(variant, records).items():
         columns = (*TABLE_COLUMNS[table], "variant")
         for start in range(0, len(rows), INSERT_ROWS):
             chunk = rows[start : start + INSERT_ROWS]
             store.insert_sync(table, [[row[c] for c in columns] for row in chunk], columns)
         written[table] = len(rows)
     return written
+
+
+def write_variant(store: ClickHouseStore, variant: str, records: Iterable[tuple[str, dict[str, Any]]]) -> dict:
+    """Replace the rows of `variant` with `records`' rows; rows written per table."""
+    clear_variant(store, variant)
+    return insert_variant(store, variant, records)
+
+
+def apply_write(store: ClickHouseStore, write: VariantWrite) -> dict:
+    """One `/variant` request, on the sink's store."""
+    if write.replace:
+        clear_variant(store, write.variant)
+    return insert_variant(store, write.variant, [(r.schema_name, r.record) for r in write.records])
 
 
 def variants(store: ClickHouseStore) -> list[str]:

@@ -6,8 +6,9 @@ reward policy, and writes the final rows as a variant. `backfill` first runs a r
 events with a RecordingContext, as the worker would hand them to it, and re-weaves the steps with its signals.
 
 It lives in the shell because it needs both the processors (the core, the plugins) and the sinks (the store), and
-sinks never import processors. It writes with a store of its own: with embedded chDB the worker must be stopped
-(one process per data path); against a ClickHouse server (CLICKHOUSE_URL) it runs beside the worker.
+sinks never import processors. It runs beside the worker: while the worker's sink owns embedded chDB (one process per
+data path), the events are read through its SQL service and the rows written through its `/variant` endpoint, the
+one write that service takes (never to live rows); otherwise it opens the database itself.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pydantic import BaseModel, Field
 from processors.steps.policy import PolicyBook, RewardPolicy, load_policy_file
 from processors.steps.reweave import Reweave, Row, policy_book, reweave
 from sinks.clickhouse import ClickHouseStore
-from sinks.variants import checked_variant, read_past_events, utc, write_variant
+from sinks.variants import checked_variant, past_events, read_past_events, utc, write_variant, write_variant_rows
 from streams.runtime.plugins import ProcessorKind, ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
 from topics.catalog import TopicCatalog
@@ -70,22 +71,6 @@ class ReweaveReport(BaseModel):
 def live_policy(settings: Settings) -> RewardPolicy:
     """The worker's reward policy file (TREADLE_REWARD_POLICY), else the built-in default."""
     return load_policy_file(settings.reward_policy) if settings.reward_policy is not None else RewardPolicy()
-
-
-def open_writable_store(settings: Settings) -> ClickHouseStore:
-    """A store this process may write variant rows with; ReweaveError says why not."""
-    from sinks.clickhouse import ClickHouseUnavailableError
-    from streams.runtime.run_info import WorkerInfo
-
-    worker = WorkerInfo.read(settings)
-    if worker is not None and settings.embedded_clickhouse:
-        raise ReweaveError(f"the worker (pid {worker.pid}) owns the embedded database: stop it first (Ctrl-C, or "
-                           f"kill {worker.pid}) and start it again after, or use a ClickHouse server "
-                           "(CLICKHOUSE_URL)")  # fmt: skip
-    try:
-        return ClickHouseStore.open(settings)
-    except ClickHouseUnavailableError as exc:
-        raise ReweaveError(str(exc).splitlines()[0]) from None
 
 
 def as_published(rows: Sequence[Row], codec: AvroCodec, limit: int) -> list[Row]:
@@ -199,21 +184,19 @@ def _run(
     checked_variant(variant)
     since, until = utc(since), utc(until)
     started = time.perf_counter()
-    own = store is None
-    store = store or open_writable_store(settings)
-    try:
-        events = read_past_events(store, since, until)
-        signals: list[dict[str, Any]] = []
-        if plugin is not None:
-            signals = run_plugin(plugin, events)
-            replaced = {s["source"] for s in signals}  # the source's earlier signals give way to this run's
-            events = [e for e in events if not (e[0] == REWARD and e[1]["source"] in replaced)]
-            events += [(REWARD, s) for s in signals]
-        rows, done = weave_variant(events, policy_book(policy), settings)
-        written = write_variant(store, variant, [*rows, *((REWARD, s) for s in signals)])
-    finally:
-        if own:
-            store.close()
+    events = read_past_events(store, since, until) if store is not None else past_events(settings, since, until)
+    signals: list[dict[str, Any]] = []
+    if plugin is not None:
+        signals = run_plugin(plugin, events)
+        replaced = {s["source"] for s in signals}  # the source's earlier signals give way to this run's
+        events = [e for e in events if not (e[0] == REWARD and e[1]["source"] in replaced)]
+        events += [(REWARD, s) for s in signals]
+    rows, done = weave_variant(events, policy_book(policy), settings)
+    records = [*rows, *((REWARD, s) for s in signals)]
+    if store is not None:
+        written = write_variant(store, variant, records)
+    else:
+        written = write_variant_rows(settings, variant, records)
     return ReweaveReport(
         variant=variant, reward_policy=policy.version, since=since, until=until,
         processor=plugin.name if plugin is not None else None, events=done.events, signals=len(signals),

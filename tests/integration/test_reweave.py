@@ -1,5 +1,6 @@
 """Re-weaving history and backfill on the real stack: a worker (steps + the tutorial's reward source) weaves past
-events, then stops (the re-weave writes to the embedded chDB it owned), and re-weaves are compared with its rows.
+events, and re-weaves are compared with its rows: while it runs (its sink owns the embedded chDB, so the re-weave
+reads through its SQL service and writes through its /variant endpoint), and once it stopped (directly).
 
 - re-weaving with the live policy gives exactly the live final rows (transitions, woven rewards, late rewards);
 - a changed policy changes the reward of exactly the steps it affects, and no live row changes;
@@ -22,8 +23,9 @@ import pytest
 
 from processors.steps.policy import RewardPolicy
 from sinks.export_sql import ExportFilters, Shape, shape_sql
-from sinks.sql_client import run_sql, run_sql_arrow
+from sinks.sql_client import QueryFailedError, post_json, run_sql, run_sql_arrow
 from streams.runtime.plugins import ProcessorRegistry
+from streams.runtime.run_info import SqlEndpoint
 from streams.runtime.worker import prepare_cluster
 from tests.conftest import PORT_BASE
 from tests.factories import RawProducer, dispatch, result, reward, treadle, wait_for
@@ -53,6 +55,7 @@ class History:
     settings: Settings
     steps: int  # dispatched steps
     results: int  # tool results (each gets a tool_success signal)
+    worker: WorkerProcess
 
 
 def plugin_site(root: Path) -> Path:
@@ -114,7 +117,7 @@ async def produce(settings: Settings, events: list[tuple[str, dict]]) -> None:
 
 @pytest.fixture(scope="module")
 def history(stack: Settings, tmp_path_factory: pytest.TempPathFactory):
-    """A worker wove the workload and stopped: its rows are final and the embedded chDB is free."""
+    """A worker that has woven the workload: its rows are final; it runs until the module's last test stops it."""
     home = tmp_path_factory.mktemp("reweave")
     policy = home / "policy.json"
     policy.write_text(json.dumps(POLICY))
@@ -142,9 +145,9 @@ def history(stack: Settings, tmp_path_factory: pytest.TempPathFactory):
         )
         wait_for(lambda: run_sql(settings, query)[1] == want, 180, f"every step final: {want}",
                  explain=lambda: f"{run_sql(settings, query)[1]}\n{worker.log_tail(40)}")  # fmt: skip
+        yield History(settings, steps, results, worker)
     finally:
         worker.stop()
-    return History(settings, steps, results)
 
 
 def rows(settings: Settings, table: str, variant: str, order: str, where: str = "1") -> list[dict]:
@@ -263,3 +266,16 @@ def test_export_variant_exports_the_variants_rows(history: History, tmp_path: Pa
     assert manifest["filters"]["variant"] == "exported"
     refused = treadle(settings, "reweave", "--policy", _write(settings, POLICY), "--as", "live")
     assert refused.returncode == 1 and "variant 'live' is the worker's own rows" in refused.stderr
+    endpoint = SqlEndpoint.read(settings)
+    assert endpoint is not None, "the worker's sink serves SQL"
+    with pytest.raises(QueryFailedError, match="refused variant rows: variant 'live' is the worker's own rows"):
+        post_json(endpoint, "/variant", {"variant": "live", "replace": True, "records": []}, timeout=30)
+
+
+def test_with_the_worker_stopped_the_re_weave_opens_the_database_itself(history: History) -> None:
+    history.worker.stop()
+    settings = history.settings
+    report = reweave_history(settings, RewardPolicy.model_validate(POLICY), "offline")
+    assert report.rows["transitions"] == history.steps
+    for table, order in (TRANSITIONS, WOVEN):
+        assert rows(settings, table, "offline", order) == rows(settings, table, "live", order), table
