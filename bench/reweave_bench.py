@@ -74,7 +74,9 @@ def worker_run(ctx: Context, settings, events, expectation) -> Measurement:
         f"`treadle worker` {ctx.pin_words}, input already in Kafka: ready signal -> every final Transition and late "
         "reward on its topic", timed, "events", elapsed, complete=complete,
         notes=[f"{run.read_before_clock:,} events read before the clock started (left out)",
-               *cpu_notes(run.cpu_s, elapsed, timed)],
+               *cpu_notes(run.cpu_s, elapsed, timed),
+               *([f"= {timed / run.cpu_s:,.0f} events/s if it had the whole core (its CPU, not the wall clock)"]
+                 if run.cpu_s else [])],
     )  # fmt: skip
 
 

@@ -14,9 +14,11 @@ one write that service takes (never to live rows); otherwise it opens the databa
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from itertools import count
 from typing import Any
@@ -182,7 +184,32 @@ def _run(
     plugin: EventProcessor | None,
 ) -> ReweaveReport:
     checked_variant(variant)
-    since, until = utc(since), utc(until)
+    with _few_collections(settings.gc_thresholds):
+        return _reweave(settings, policy, variant, utc(since), utc(until), store, plugin)
+
+
+@contextmanager
+def _few_collections(thresholds: tuple[int, int, int]) -> Iterator[None]:
+    """The worker's collector thresholds (TREADLE_GC_THRESHOLDS) for the run: a re-weave makes records by the
+    hundred thousand and keeps them, and the default thresholds walk them again and again (measured: mapping the
+    rows took 5x longer)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*thresholds)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def _reweave(
+    settings: Settings,
+    policy: RewardPolicy,
+    variant: str,
+    since: datetime | None,
+    until: datetime | None,
+    store: ClickHouseStore | None,
+    plugin: EventProcessor | None,
+) -> ReweaveReport:
     started = time.perf_counter()
     events = read_past_events(store, since, until) if store is not None else past_events(settings, since, until)
     signals: list[dict[str, Any]] = []
