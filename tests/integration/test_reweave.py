@@ -264,6 +264,8 @@ def test_export_variant_exports_the_variants_rows(history: History, tmp_path: Pa
     assert table.num_rows == history.steps and table.to_pylist() == want.cast(table.schema).to_pylist()
     manifest = json.loads(Path(f"{out}.manifest.json").read_text())
     assert manifest["filters"]["variant"] == "exported"
+    missing = treadle(settings, "export", str(tmp_path / "none.parquet"), "--variant", "nope")
+    assert missing.returncode == 1 and "no variant 'nope' in transitions (there are: " in missing.stderr
     refused = treadle(settings, "reweave", "--policy", _write(settings, POLICY), "--as", "live")
     assert refused.returncode == 1 and "variant 'live' is the worker's own rows" in refused.stderr
     endpoint = SqlEndpoint.read(settings)
