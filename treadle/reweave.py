@@ -56,7 +56,7 @@ class ReweaveReport(BaseModel):
     since: datetime | None = None
     until: datetime | None = None
     processor: str | None = Field(default=None, description="The plugin a backfill ran.")
-    events: int = Field(default=0, description="Step events read from raw_events.")
+    events: int = Field(default=0, description="Step events folded (each event_id once; a backfill's signals too).")
     signals: int = Field(default=0, description="Reward signals the backfilled plugin published.")
     steps: int = 0
     orphans: int = 0
