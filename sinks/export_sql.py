@@ -10,7 +10,9 @@ Filters select *steps*, on the step's row in transitions_latest (its final revis
 - `settled`: only steps whose required reward windows have all closed (reward_status is no longer `pending`:
   every required source arrived, or its window passed and it was marked partial or imputed);
 - `statuses`: only these reward statuses (e.g. `complete`: every required source arrived);
-- `min_confidence`: only steps whose every reward component has at least this confidence.
+- `min_confidence`: only steps whose every reward component has at least this confidence;
+- `variant`: whose rows: `live` (the worker's, transitions_latest) or the name a re-weave or backfill wrote its rows
+  under (transitions_variants, that variant's rows).
 A trajectory is exported only if every one of its steps passes the step filters, so none is silently truncated.
 """
 
@@ -23,6 +25,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+LIVE = "live"  # the variant of the worker's own rows
 REWARD_STATUSES = ("pending", "complete", "partial", "imputed")
 CREDIT_SOURCE = "credit"  # the source of the per-step shares of episode rewards (the credit processor)
 
@@ -49,6 +52,7 @@ class ExportFilters(BaseModel):
     settled: bool = Field(default=False, description="Only steps whose required reward windows all closed.")
     statuses: tuple[str, ...] = Field(default=(), description="Only steps with these reward statuses.")
     min_confidence: float | None = Field(default=None, description="Every reward component at least this confident.")
+    variant: str = Field(default=LIVE, description="Whose rows: live (the worker's) or a re-woven variant's name.")
 
     @field_validator("since", "until")
     @classmethod
@@ -104,8 +108,15 @@ def step_conditions(filters: ExportFilters, alias: str, time_filter: bool = True
     ):
         if values:
             conditions.append(_any_of(f"{t}.{column}", values))
+    if filters.variant != LIVE:
+        conditions.append(f"{t}.variant = {quote(filters.variant)}")
     conditions += quality_conditions(filters, t)
     return conditions
+
+
+def steps_view(filters: ExportFilters) -> str:
+    """Where the filtered steps' rows are: the live ones in transitions_latest, a variant's in transitions_variants."""
+    return "transitions_latest" if filters.variant == LIVE else "transitions_variants"
 
 
 def quality_conditions(filters: ExportFilters, alias: str) -> list[str]:
@@ -163,7 +174,7 @@ def transitions_sql(filters: ExportFilters, sessions: SessionRange | None = None
     t.reward_components.confidence AS component_confidences, t.reward_components.weight AS component_weights,
     t.reward_components.annotator AS component_annotators, t.reward_components.event_time AS component_event_times,
     t.updated_at AS updated_at
-FROM transitions_latest AS t
+FROM {steps_view(filters)} AS t
 {_where(conditions)}
 ORDER BY session_id, step, logical_event_id"""
 
@@ -202,7 +213,7 @@ FROM
         sum(ifNull(t.reward, 0)) AS episode_return,
         sum(ifNull({_credit("t")}, 0)) AS credited_return,
         countIf(t.reward IS NOT NULL) AS rewarded_steps
-    FROM transitions_latest AS t
+    FROM {steps_view(filters)} AS t
     {_where(selection)}
     GROUP BY t.session_id, t.episode_id
     HAVING {" AND ".join(having)}
@@ -244,7 +255,7 @@ INNER JOIN
         t.session_id AS session_id, t.logical_event_id AS logical_event_id, t.step AS step, t.tool AS tool,
         t.tool_status AS tool_status, t.reward AS reward, t.reward_status AS reward_status,
         t.reward_revision AS reward_revision, {_credit("t")} AS credit_reward, n.calls AS calls_in_step
-    FROM transitions_latest AS t
+    FROM {steps_view(filters)} AS t
     INNER JOIN
     (
         SELECT c.session_id AS session_id, c.logical_event_id AS logical_event_id, count() AS calls

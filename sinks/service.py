@@ -4,7 +4,8 @@ The sink decodes every topic again and inserts rows; in the Faust worker's proce
 half of its one core, so the worker starts this as a child process by default (TREADLE_SINK=child)
 and each gets a core. With embedded chDB this process owns the data path (one process per path),
 so it also answers `treadle sql` on 127.0.0.1:TREADLE_SQL_PORT (`/sql`: JSON rows; `/arrow`: Arrow IPC
-streams, for the state history reads); SqlEndpoint says where.
+streams, for the state history reads); SqlEndpoint says where. `/variant` takes the rows `treadle reweave` writes
+(a named variant's, never live ones), since no other process can open the database while this one runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import orjson
 from aiohttp import web
+from pydantic import ValidationError
 
 from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
 from sinks.consumer import SinkConsumer
@@ -25,6 +27,7 @@ from sinks.migrations import apply_migrations
 from sinks.sink_group import SinkRefusedError
 from sinks.sql_auth import check_sql_bind, token_middleware
 from sinks.sql_guard import ReadOnlyQueryError
+from sinks.variants import VariantWrite, apply_write
 from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
 from streams.runtime.processes import SINK_REFUSED_EXIT, pid_alive
 from streams.runtime.run_info import SinkRefusal, SqlEndpoint
@@ -38,6 +41,7 @@ from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
 
 log = logging.getLogger(__name__)
+REQUEST_BYTES = 64 * 1024 * 1024  # a /variant part (sinks.variants sends at most VARIANT_PART_BYTES of records)
 
 
 def open_store(settings: Settings, wait_s: float = 30.0) -> ClickHouseStore:
@@ -95,14 +99,28 @@ def sql_app(
         parts = [part for stream in streams for part in (len(stream).to_bytes(8, "big"), stream)]
         return web.Response(body=b"".join(parts), content_type="application/vnd.apache.arrow.stream")
 
+    async def post_variant(request: web.Request) -> web.Response:
+        """Re-woven rows of one variant (`treadle reweave` / `backfill` while this process owns embedded chDB): the
+        only write this service takes, and never to live rows (sinks.variants refuses the name `live`)."""
+        try:
+            write = VariantWrite.model_validate(await request.json())
+            written = await asyncio.to_thread(apply_write, store, write)
+        except (ValidationError, ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"refused variant rows: {_first_line(exc)}"}, status=400)
+        except Exception as exc:
+            return web.json_response({"error": f"ClickHouse error: {_first_line(exc)}"}, status=400)
+        return web.json_response({"rows": written})
+
     async def get_metrics(request: web.Request) -> web.Response:
         body = await sink.exposition() if sink is not None else b""
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
-    app = web.Application(middlewares=[token_middleware(token)] if token is not None else [])
+    middlewares = [token_middleware(token)] if token is not None else []
+    app = web.Application(middlewares=middlewares, client_max_size=REQUEST_BYTES)
     if serve_sql:
         app.router.add_post("/sql", post_sql)
         app.router.add_post("/arrow", post_arrow)
+        app.router.add_post("/variant", post_variant)
     app.router.add_get("/metrics", get_metrics)
     return app
 

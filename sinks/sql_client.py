@@ -134,6 +134,14 @@ def _via_endpoint(
     return body["columns"], body["rows"]
 
 
+def post_json(
+    info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float, auth: dict[str, str] | None = None
+) -> bytes:
+    """POST JSON to the sink's endpoint (with the token header `auth`, if any); its answer's body, or
+    QueryFailedError with the sink's reason."""
+    return _post(info, path, payload, timeout, auth or {})
+
+
 def _post(info: SqlEndpoint, path: str, payload: dict[str, Any], timeout: float, auth: dict[str, str]) -> bytes:
     """POST JSON to the sink's endpoint (with the token header `auth`, if any); its answer's body, or
     QueryFailedError with the sink's reason."""

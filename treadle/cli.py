@@ -40,6 +40,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from sinks.sql_auth import SqlExposureError
     from sinks.sql_client import QueryFailedError
     from sinks.sql_guard import ReadOnlyQueryError
+    from sinks.variants import VariantError
     from streams.runtime.plugins import PluginError
     from streams.runtime.processes import StackError
     from topics.admin import TopicMismatchError
@@ -48,6 +49,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from topics.tool_schemas import InvalidParamsError
     from treadle.export_command import ExportOptionError
     from treadle.reports.eval_report import ReportError
+    from treadle.reweave import ReweaveError
 
     return (
         UserError,
@@ -65,6 +67,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ReportError,
         InvalidSettingError,
         ExportOptionError,
+        ReweaveError,
+        VariantError,
     )
 
 
@@ -585,6 +589,7 @@ def export_command(
     ] = None,
     min_confidence: float | None = typer.Option(None, help="Only steps whose reward components are this confident."),
     batch_rows: int | None = typer.Option(None, help="Rows per page and record batch (memory per page)."),
+    variant: str = typer.Option("live", help="Whose rows: live (the worker's) or a `treadle reweave --as` name."),
     manifest: Annotated[Path | None, typer.Option(help="Re-run the export this manifest describes.")] = None,
     force: bool = typer.Option(False, "--force", help="Overwrite the output if it exists."),
 ) -> None:
@@ -607,8 +612,55 @@ def export_command(
         statuses=status or [],
         min_confidence=min_confidence,
         batch_rows=batch_rows,
+        variant=variant,
         manifest=manifest,
         force=force,
+    )
+
+
+@app.command("reweave")
+@friendly
+def reweave_command(
+    policy: Annotated[Path, typer.Option("--policy", help="Reward policy file (JSON or YAML) to weave the past with.")],
+    as_name: str = typer.Option(..., "--as", help="Variant name the rows are written under (not live)."),
+    since: str | None = typer.Option(None, "--from", help="Steps dispatched from: ISO time, or a duration ago (7d)."),
+    until: str | None = typer.Option(None, "--to", help="Steps dispatched before: ISO time or a duration ago."),
+) -> None:
+    """Re-weave past steps under another reward policy into a variant, beside the live rows (never changing them)."""
+    from processors.steps.policy import load_policy_file
+    from treadle.reweave import reweave_history
+
+    start, end = _time_range(since, until)
+    report = reweave_history(settings(), load_policy_file(policy), as_name, start, end)
+    console.print(report.summary(), highlight=False, soft_wrap=True)
+
+
+@app.command("backfill")
+@friendly
+def backfill_command(
+    processor: str = typer.Option(..., "--processor", help="The reward-source plugin to run over past events."),
+    as_name: str = typer.Option(..., "--as", help="Variant name the rows are written under (not live)."),
+    since: str | None = typer.Option(None, "--from", help="Steps dispatched from: ISO time, or a duration ago (7d)."),
+    until: str | None = typer.Option(None, "--to", help="Steps dispatched before: ISO time or a duration ago."),
+    policy: Annotated[Path | None, typer.Option("--policy", help="Reward policy file; default: the worker's.")] = None,
+) -> None:
+    """Run a reward-source plugin over past events and re-weave their steps with its signals into a variant."""
+    from processors.steps.policy import load_policy_file
+    from treadle.reweave import backfill
+
+    start, end = _time_range(since, until)
+    chosen = load_policy_file(policy) if policy is not None else None
+    report = backfill(settings(), processor, as_name, start, end, policy=chosen)
+    console.print(report.summary(), highlight=False, soft_wrap=True)
+
+
+def _time_range(since: str | None, until: str | None) -> tuple[datetime | None, datetime | None]:
+    from treadle.reports.eval_report import parse_time
+
+    now = datetime.now(UTC)
+    return (
+        None if since is None else parse_time(since, "--from", now),
+        None if until is None else parse_time(until, "--to", now),
     )
 
 

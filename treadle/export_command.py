@@ -43,6 +43,7 @@ def filters_from_options(
     statuses: Sequence[str],
     min_confidence: float | None,
     now: datetime | None = None,
+    variant: str = "live",
 ) -> ExportFilters:
     now = now or datetime.now(UTC)
     try:
@@ -56,6 +57,7 @@ def filters_from_options(
             settled=settled,
             statuses=tuple(statuses),
             min_confidence=min_confidence,
+            variant=variant,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -95,6 +97,7 @@ def run_export(
     statuses: Sequence[str],
     min_confidence: float | None,
     batch_rows: int | None,
+    variant: str = "live",
     manifest: Path | None,
     force: bool,
 ) -> ExportManifest:
@@ -115,8 +118,10 @@ def run_export(
         if output is None:
             raise ExportOptionError("give the file to write, e.g. `treadle export steps.parquet`")
         filters = filters_from_options(since, until, policy_versions, agents, sessions, episodes, settled,
-                                       statuses, min_confidence)  # fmt: skip
+                                       statuses, min_confidence, variant=variant)  # fmt: skip
         chosen, fmt = Shape(_choice(shape, Shape, "shape")), _choice(fmt, ExportFormat, "format")
+        if filters.variant != "live":
+            _check_variant(settings, filters.variant)
         with _progress_bar(console, f"exporting {chosen.value}") as progress:
             done = replay.export(chosen, output, format=fmt, settings=settings, filters=filters,
                                  batch_rows=batch_rows, overwrite=force, progress=progress)  # fmt: skip
@@ -124,6 +129,18 @@ def run_export(
         raise ExportOptionError(str(exc)) from None
     _summary(console, done, output)
     return done
+
+
+def _check_variant(settings: Settings, variant: str) -> None:
+    """A variant name nothing was written under exports nothing: say so, with the names there are."""
+    from sinks.sql_client import run_sql
+
+    _, rows = run_sql(settings, "SELECT DISTINCT variant FROM transitions ORDER BY variant")
+    known = [row[0] for row in rows]
+    if variant not in known:
+        names = ", ".join(known) or "none"
+        raise ExportOptionError(f"no variant {variant!r} in transitions (there are: {names}); `treadle reweave --as "
+                                "NAME` writes one")  # fmt: skip
 
 
 def _read_manifest(path: Path) -> ExportManifest:

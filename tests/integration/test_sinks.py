@@ -34,6 +34,7 @@ from sinks.clickhouse import (
 from sinks.rejected_rows import RowSource
 from sinks.rows import INPUT_SCHEMAS, ROW_FORMAT_REVISION, TABLE_COLUMNS, micros, rows_for
 from sinks.sql_guard import ReadOnlyQueryError
+from sinks.variants import VARIANT_TABLES
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
 from tests.paths import REPO_ROOT
@@ -363,15 +364,22 @@ def _alters_only_if_needed(statement: str, action: str, guard: str) -> bool:
         return True
     body = re.sub(r"^ALTER TABLE\s+\S+\s+", "", statement)
     clauses = re.split(r",\s*(?=(?:ADD|DROP|MODIFY|RENAME|CLEAR|COMMENT|MATERIALIZE|UPDATE|DELETE|RESET)\s)", body)
-    settled = r"(MODIFY SETTING|RESET SETTING|MODIFY COLUMN \w+ [A-Za-z]\w*(\(\w+\))?( COMMENT '[^']*')?$)"
+    settled = (
+        r"(MODIFY SETTING|RESET SETTING|MODIFY ORDER BY|DELETE WHERE "
+        r"|MODIFY COLUMN \w+ [A-Za-z]\w*(\(\w+\))?( DEFAULT '\w+')?( COMMENT '[^']*')?$)"
+    )
     return all(re.match(rf"{action} {guard} ", clause) or re.match(settled, clause) for clause in clauses)
 
 
 def test_table_columns_match_the_ddl(store: ClickHouseStore) -> None:
     for table, columns in TABLE_COLUMNS.items():
         described = [row[0] for row in store.query_sync(f"DESCRIBE TABLE {table}").result_rows]
+        if table in VARIANT_TABLES:  # the sink leaves variant to its default, 'live' (re-weaves write the others)
+            described.remove("variant")
         assert tuple(described) == columns, table
         in_view = [row[0] for row in store.query_sync(f"DESCRIBE TABLE {table}_latest").result_rows]
+        if table in VARIANT_TABLES:
+            in_view.remove("variant")
         assert sorted(in_view) == sorted(columns), table
 
 

@@ -129,3 +129,16 @@ def test_the_validator_gives_the_workers_reasons(tmp_path: Path) -> None:
     assert checker.check("RewardSignal", "{not json").stage == "DECODE"
     decoded = checker.decode(b"\xc3\x01garbage")
     assert decoded.record_json is None and decoded.error is not None
+
+
+def test_the_console_reads_only_the_live_rows_of_variant_tables() -> None:
+    from treadle.console.queries import live_rows_only
+
+    query = (
+        "SELECT count() FROM transitions FINAL WHERE x IN (SELECT y FROM late_rewards) AND z FROM transitions_latest"
+    )
+    assert live_rows_only(query) == (
+        "SELECT count() FROM (SELECT * FROM transitions FINAL WHERE variant = 'live') AS transitions WHERE x IN "
+        "(SELECT y FROM (SELECT * FROM late_rewards WHERE variant = 'live') AS late_rewards) AND z FROM "
+        "transitions_latest"
+    )

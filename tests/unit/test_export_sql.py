@@ -89,3 +89,14 @@ def test_pages_are_session_ranges() -> None:
 def test_bad_filters_are_refused_with_a_reason(fields: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ExportFilters(**fields)
+
+
+@pytest.mark.parametrize("shape", list(Shape))
+def test_a_variant_reads_its_rows_from_the_variants_view_and_live_reads_as_before(shape: Shape) -> None:
+    live = shape_sql(shape, ExportFilters())
+    assert "transitions_variants" not in live and "variant" not in live
+    assert live == shape_sql(shape, ExportFilters(variant="live"))
+    sql = shape_sql(shape, ExportFilters(variant="judge-x3'"))
+    assert "transitions_latest" not in sql and "FROM transitions_variants AS t" in sql
+    assert "t.variant = 'judge-x3\\''" in sql and "judge-x3'" in string_literals(sql)
+    assert check_read_only(sql)

@@ -8,6 +8,7 @@ never from the request.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,17 @@ def one_at_a_time(fn: Callable[..., T], *args: Any) -> T:
 RawRunner = Callable[..., tuple[list[str], list[list[Any]]]]  # (query, params=...) -> (columns, rows)
 
 
+# Tables that hold re-woven variants (`treadle reweave`) beside the worker's own rows; the console shows the live ones.
+_VARIANT_TABLES = re.compile(r"\bFROM (transitions|woven_rewards|reward_components|late_rewards)( FINAL)?(?![\w.])")
+
+
+def live_rows_only(query: str) -> str:
+    """`query` with every read of a variant table narrowed to the live rows (a subquery under the table's name)."""
+    return _VARIANT_TABLES.sub(
+        lambda m: f"FROM (SELECT * FROM {m[1]}{m[2] or ''} WHERE variant = 'live') AS {m[1]}", query
+    )
+
+
 class SqlReader:
     """Runs the console's read-only statements, one call per statement, and hands rows back as dicts."""
 
@@ -42,7 +54,7 @@ class SqlReader:
         self._run = runner or partial(run_sql, settings, timeout=timeout)
 
     def rows(self, query: str, **params: Any) -> Rows:
-        columns, rows = self._run(query, params=params or None)
+        columns, rows = self._run(live_rows_only(query), params=params or None)
         return [dict(zip(columns, row, strict=True)) for row in rows]
 
     def has_table(self, name: str) -> bool:

@@ -89,8 +89,8 @@ def explain_query(logical_event_id: str, revision: int | None = None) -> str:
     return (
         f"SELECT w.*, t.found AS t_found, {transition}, "
         f"(SELECT groupArray(r) FROM (SELECT DISTINCT revision AS r FROM woven_rewards "
-        f"WHERE logical_event_id = {lid} ORDER BY r)) AS revisions "
-        f"FROM (SELECT * FROM woven_rewards FINAL WHERE logical_event_id = {lid}{pick} "
+        f"WHERE logical_event_id = {lid} AND variant = 'live' ORDER BY r)) AS revisions "
+        f"FROM (SELECT * FROM woven_rewards FINAL WHERE logical_event_id = {lid} AND variant = 'live'{pick} "
         f"ORDER BY revision DESC, session_id LIMIT 1) AS w "
         f"LEFT JOIN (SELECT 1 AS found, session_id, {', '.join(_TRANSITION_FIELDS)} FROM transitions_latest "
         f"WHERE logical_event_id = {lid}) AS t ON t.session_id = w.session_id"
