@@ -25,6 +25,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from sinks.sql_params import quote
+
 LIVE = "live"  # the variant of the worker's own rows
 REWARD_STATUSES = ("pending", "complete", "partial", "imputed")
 CREDIT_SOURCE = "credit"  # the source of the per-step shares of episode rewards (the credit processor)
@@ -75,11 +77,6 @@ class ExportFilters(BaseModel):
         if value is not None and not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise ValueError(f"min_confidence must be in [0, 1], got {value}")
         return value
-
-
-def quote(value: str) -> str:
-    """A ClickHouse string literal: backslashes and quotes escaped, so any text stays one value."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def timestamp(moment: datetime) -> str:

@@ -120,6 +120,11 @@ def literal(value: Any, sql_type: str, name: str = "value") -> str:
     raise QueryParameterError(f"query parameter {name!r} has an unsupported type {sql_type}")
 
 
+def quote(value: str) -> str:
+    """A ClickHouse string literal: backslashes and quotes escaped, so any text stays one value."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def string_literal(text: str) -> str:
     """A ClickHouse string literal that reads back exactly `text`: quotes, backslashes and controls escaped."""
     out = ["'"]

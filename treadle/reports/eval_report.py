@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sinks.sql_params import quote
+
 Rows = tuple[list[str], list[list[Any]]]
 Query = Callable[[str], Rows]
 
@@ -140,11 +142,6 @@ def bucket_seconds(span_seconds: float) -> int:
 
 
 # --- SQL --------------------------------------------------------------------------------------------------------
-
-
-def quote(value: str) -> str:
-    """A ClickHouse string literal."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _timestamp(moment: datetime) -> str:

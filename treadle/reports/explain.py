@@ -16,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sinks.sql_params import quote as sql_literal
+
 Query = Callable[[str], tuple[list[str], list[list[Any]]]]
 
 _TRANSITION_FIELDS = ("step", "revision", "agent_id", "tool", "tool_status", "reward", "reward_status")
@@ -75,11 +77,6 @@ class Explanation:
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def sql_literal(text: str) -> str:
-    """A ClickHouse string literal (backslash escapes, as ClickHouse reads them)."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def explain_query(logical_event_id: str, revision: int | None = None) -> str:

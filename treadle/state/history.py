@@ -21,6 +21,7 @@ import orjson
 from processors.state.graph import ordinal_of
 from processors.state.model import GraphEdge, GraphNode, StateGraph
 from sinks.sql_client import ArrowBatchRunner
+from sinks.sql_params import quote
 from topics.settings import Settings
 from treadle.state.columns import ColumnarEdges, ColumnarNodes
 
@@ -29,11 +30,6 @@ _ORDINAL = re.compile(r"^\d+$")
 
 class StateNotFoundError(LookupError):
     """The session or version is not (yet) in ClickHouse."""
-
-
-def quote(value: str) -> str:
-    """A ClickHouse string literal."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 @dataclass(frozen=True)
