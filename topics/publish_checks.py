@@ -9,14 +9,19 @@ before it sends (streams.sdk.emitter).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from fastavro._validate_common import ValidationError
 from fastavro.validation import validate
 
+from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec
+from topics.names import REWARD
+from topics.output_size import OutputTooLargeError
 from topics.validation import InputValidator
+
+READ_BACK = frozenset({REWARD})  # published records the worker reads back as input (and validates as such)
 
 
 class PublishError(ValueError):
@@ -45,30 +50,42 @@ def encode_problem(codec: AvroCodec, schema_name: str, record: Any, exc: Excepti
     return f"it does not encode ({type(exc).__name__}: {exc})"
 
 
-def read_back_problem(validator: InputValidator, schema_name: str, record: dict[str, Any], key: bytes | None) -> str:
-    """Why the worker would dead-letter this input record, or '' when it would take it."""
-    return validator.problem(schema_name, record, key) or ""
+def publishable_topics(catalog: TopicCatalog) -> dict[str, str]:
+    """Schema -> topic of what a processor may publish: every output topic's record, and RewardSignal, which the worker
+    reads back as input (reward sources and credit assignment are processors whose output is input)."""
+    outputs = {spec.value_schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) if spec.value_schema}
+    outputs[REWARD] = catalog.for_schema(REWARD).name
+    return outputs
 
 
-def publish_problem(
-    codec: AvroCodec,
-    validator: InputValidator,
+def checked_publish(
+    processor: str,
     schema_name: str,
     record: Any,
     key: bytes | None,
+    *,
+    encode: Callable[[str, dict[str, Any]], bytes],
+    codec: AvroCodec,
+    validator: InputValidator,
     publishable: Collection[str],
-    read_back: Collection[str],
-) -> str | None:
-    """Why the worker would refuse this publish, or None: a schema it cannot publish, a record that does not encode,
-    or (for a record it reads back as input) one the intake would dead-letter."""
+) -> bytes:
+    """The record encoded by `encode`, or PublishError naming `processor` and the field at fault: a schema it may not
+    publish, a record that does not encode, or (a record read back as input) one the intake would dead-letter.
+    OutputTooLargeError passes through: the worker makes it the input's dead letter."""
     if schema_name not in publishable:
-        return f"{schema_name} is not a record a processor can publish; one of: {', '.join(sorted(publishable))}"
+        names = ", ".join(sorted(short_name(s) for s in publishable))
+        raise PublishError(f"plugin {processor!r} cannot publish it: {schema_name} is not a record a processor can "
+                           f"publish (one of {names})")  # fmt: skip
+    name = short_name(schema_name)
     if not isinstance(record, dict):
-        return f"a record is a dict, got {type(record).__name__}"
+        raise PublishError(f"plugin {processor!r} published a {name} that is a {type(record).__name__}, not a dict")
     try:
-        codec.encode(schema_name, record)
+        value = encode(schema_name, record)
+    except OutputTooLargeError:
+        raise
     except Exception as exc:
-        return encode_problem(codec, schema_name, record, exc)
-    if schema_name in read_back:
-        return read_back_problem(validator, schema_name, record, key) or None
-    return None
+        problem = encode_problem(codec, schema_name, record, exc)
+        raise PublishError(f"plugin {processor!r} published a {name} the worker cannot encode: {problem}") from exc
+    if schema_name in READ_BACK and (problem := validator.problem(schema_name, record, key)) is not None:
+        raise PublishError(f"plugin {processor!r} published a {name} the worker would dead-letter: {problem}")
+    return value

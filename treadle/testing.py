@@ -26,12 +26,12 @@ from typing import Any
 
 from streams.runtime.metrics import WorkerMetrics
 from streams.runtime.processor import EventProcessor, InputEvent, ProcessingContext
-from topics.catalog import TopicCatalog, TopicRole
+from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 from topics.intake import SourceMessage
 from topics.names import DISPATCH, EVALUATION_METRIC, LIFECYCLE, REWARD, STATE_DELTA, TOOL_RESULT
-from topics.publish_checks import PublishError, publish_problem, short_name
+from topics.publish_checks import PublishError, checked_publish, publishable_topics, short_name
 from topics.settings import Settings
 from topics.validation import InputValidator
 
@@ -74,9 +74,8 @@ def _catalog() -> TopicCatalog:
 
 @cache
 def _publishable() -> frozenset[str]:
-    """What the worker lets a processor publish: every output topic's record, and RewardSignal (read back)."""
-    outputs = {spec.value_schema for spec in _catalog().by_role(TopicRole.OUTPUT) if spec.value_schema}
-    return frozenset(outputs | {REWARD})
+    """What the worker lets a processor publish (the same rule as the worker's)."""
+    return frozenset(publishable_topics(_catalog()))
 
 
 # --- events ----------------------------------------------------------------------------------------------------
@@ -270,10 +269,10 @@ def lifecycle(
 def check_publish(schema_name: str, record: dict[str, Any], key: bytes | None, processor: str = "plugin") -> None:
     """Raise PublishError, naming `processor` and the field at fault, unless the worker would accept this publish:
     a record a processor may publish, that encodes, and (a RewardSignal) passes the checks on input."""
-    problem = publish_problem(_codec(), _validator(), schema_name, record, key, _publishable(), {REWARD})
-    if problem is not None:
-        raise PublishError(f"plugin {processor!r} published a {short_name(schema_name)} the worker would refuse: "
-                           f"{problem}")  # fmt: skip
+    checked_publish(
+        processor, schema_name, record, key,
+        encode=_codec().encode, codec=_codec(), validator=_validator(), publishable=_publishable(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

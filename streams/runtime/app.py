@@ -26,11 +26,12 @@ from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
 from streams.runtime.processor_context import ProcessorContext
 from streams.sdk.batching import key_hash
-from topics.catalog import TopicCatalog, TopicRole
+from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
-from topics.names import DEAD_LETTER, REWARD
+from topics.names import DEAD_LETTER
 from topics.output_size import fit
+from topics.publish_checks import publishable_topics
 from topics.settings import KAFKA_MAX_REQUEST_BYTES, Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
@@ -217,10 +218,7 @@ def build_pipeline(
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
         processor.setup(app, settings)
-    # Every output topic's schema, and the rewards topic: reward sources and credit assignment are processors whose
-    # output is input (a RewardSignal they publish is woven into its step like any other reward).
-    outputs = {spec.value_schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) if spec.value_schema}
-    outputs[REWARD] = catalog.for_schema(REWARD).name
+    outputs = publishable_topics(catalog)
     pipeline = Pipeline(
         app=app,
         settings=settings,

@@ -14,11 +14,7 @@ from typing import Any
 from streams.runtime.metrics import WorkerMetrics
 from streams.runtime.processor import InputEvent
 from topics.codec import AvroCodec
-from topics.names import REWARD
-from topics.output_size import OutputTooLargeError
-from topics.publish_checks import PublishError, encode_problem, read_back_problem, short_name
-
-READ_BACK = frozenset({REWARD})  # published records the worker reads back as input (and validates as such)
+from topics.publish_checks import checked_publish
 
 Sent = tuple[str, bytes | None, bytes]  # (schema, key, value) as sent
 
@@ -45,29 +41,12 @@ class ProcessorContext:
             await self._send(schema_name, key, value)
 
     def _checked(self, schema_name: str, record: dict[str, Any], key: bytes | None) -> bytes:
-        outputs = self.pipeline.outputs
-        if schema_name not in outputs:
-            publishable = ", ".join(sorted(short_name(s) for s in outputs))
-            raise PublishError(f"plugin {self.processor!r} published a {schema_name}, which is not a record a "
-                               f"processor can publish (one of {publishable})")  # fmt: skip
-        name = short_name(schema_name)
-        if not isinstance(record, dict):
-            raise PublishError(f"plugin {self.processor!r} published a {name} that is a {type(record).__name__}, "
-                               "not a dict")  # fmt: skip
-        try:
-            value: bytes = self.pipeline.encode_output(schema_name, record, key)
-        except OutputTooLargeError:
-            raise
-        except Exception as exc:
-            problem = encode_problem(self.codec, schema_name, record, exc)
-            raise PublishError(f"plugin {self.processor!r} published a {name} the worker cannot encode: "
-                               f"{problem}") from exc  # fmt: skip
-        if schema_name in READ_BACK:
-            problem = read_back_problem(self.pipeline.intake.validator, schema_name, record, key)
-            if problem:
-                raise PublishError(f"plugin {self.processor!r} published a {name} the worker would dead-letter: "
-                                   f"{problem}")  # fmt: skip
-        return value
+        pipeline = self.pipeline
+        return checked_publish(
+            self.processor, schema_name, record, key,
+            encode=lambda schema, checked: pipeline.encode_output(schema, checked, key),  # type: ignore[no-any-return]
+            codec=self.codec, validator=pipeline.intake.validator, publishable=pipeline.outputs,
+        )  # fmt: skip
 
     async def _send(self, schema_name: str, key: bytes | None, value: bytes) -> None:
         await self.pipeline.send_output(schema_name, key, value)
