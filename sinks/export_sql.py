@@ -59,9 +59,7 @@ class ExportFilters(BaseModel):
     @field_validator("since", "until")
     @classmethod
     def _utc(cls, value: datetime | None) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return utc(value)
 
     @field_validator("statuses")
     @classmethod
@@ -77,6 +75,13 @@ class ExportFilters(BaseModel):
         if value is not None and not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise ValueError(f"min_confidence must be in [0, 1], got {value}")
         return value
+
+
+def utc(moment: datetime | None) -> datetime | None:
+    """`moment` in UTC (a naive time is taken as UTC)."""
+    if moment is None:
+        return None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def timestamp(moment: datetime) -> str:

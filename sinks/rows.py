@@ -15,16 +15,18 @@ from typing import Any
 
 import orjson
 
+from topics.names import DISPATCH, LIFECYCLE, REWARD, STATE_DELTA, TOOL_RESULT
+
 # Revision of the row format below; bump it when a mapper changes what it writes, so that rows written by the
 # new mapper replace old ones on replay (it is the version column of raw_events and reward_components).
 ROW_FORMAT_REVISION = 1
 
 INPUT_SCHEMAS: Mapping[str, str] = {
-    "actions": "treadle.events.ActionDispatched",
-    "tool_results": "treadle.events.ToolResult",
-    "rewards": "treadle.events.RewardSignal",
-    "state_deltas": "treadle.events.StateDelta",
-    "lifecycle": "treadle.events.LifecycleEvent",
+    "actions": DISPATCH,
+    "tool_results": TOOL_RESULT,
+    "rewards": REWARD,
+    "state_deltas": STATE_DELTA,
+    "lifecycle": LIFECYCLE,
 }
 
 _COMPONENT_FIELDS = (

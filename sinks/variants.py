@@ -14,26 +14,28 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from sinks.clickhouse import ClickHouseStore
-from sinks.export_sql import LIVE, quote, timestamp
+from sinks.export_sql import LIVE, timestamp
 from sinks.rows import INPUT_SCHEMAS, TABLE_COLUMNS, rows_for
 from sinks.sql_auth import bearer
 from sinks.sql_client import QueryFailedError, post_json, run_sql_arrow
+from sinks.sql_params import quote
 from streams.runtime.run_info import SqlEndpoint, WorkerInfo
+from topics.names import LATE_REWARD, REWARD, TRANSITION, WOVEN_REWARD
 from topics.settings import Settings
 
 VARIANT_TABLES = ("transitions", "woven_rewards", "late_rewards", "reward_components")
 # what the live worker publishes -> the topic kind whose row mapper makes its row
 _KINDS = {
-    "treadle.derived.Transition": "transitions",
-    "treadle.derived.WovenReward": "woven_rewards",
-    "treadle.derived.LateReward": "late_rewards",
+    TRANSITION: "transitions",
+    WOVEN_REWARD: "woven_rewards",
+    LATE_REWARD: "late_rewards",
 }
 _STEP_KINDS = ("actions", "tool_results", "rewards")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -172,7 +174,7 @@ def variant_rows(variant: str, records: Iterable[tuple[str, dict[str, Any]]]) ->
     each tagged with `variant`."""
     tables: dict[str, list[dict[str, Any]]] = {table: [] for table in VARIANT_TABLES}
     for schema_name, record in records:
-        kind = _KINDS.get(schema_name, "rewards" if schema_name == INPUT_SCHEMAS["rewards"] else None)
+        kind = _KINDS.get(schema_name, "rewards" if schema_name == REWARD else None)
         if kind is None:
             raise ValueError(f"a variant holds no {schema_name} rows")
         for table, row in rows_for(kind, record):
@@ -221,10 +223,3 @@ def variants(store: ClickHouseStore) -> list[str]:
     """The variant names with transitions, live first."""
     rows = store.query_sync(f"SELECT DISTINCT variant FROM {store.database}.transitions").result_rows
     return sorted((r[0] for r in rows), key=lambda v: (v != LIVE, v))
-
-
-def utc(moment: datetime | None) -> datetime | None:
-    """`moment` in UTC (a naive time is taken as UTC)."""
-    if moment is None:
-        return None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

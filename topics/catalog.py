@@ -9,6 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from topics.names import (
+    DEAD_LETTER,
+    DISPATCH,
+    EVALUATION_METRIC,
+    LATE_REWARD,
+    LIFECYCLE,
+    LLM_CALL,
+    RESOURCE_SAMPLE,
+    REWARD,
+    STATE_DELTA,
+    STATE_VERSION,
+    TOOL_RESULT,
+    TRANSITION,
+    WOVEN_REWARD,
+)
 from topics.settings import Settings
 
 
@@ -39,39 +54,39 @@ _KEEP = {"cleanup.policy": "delete", "retention.ms": "-1"}
 
 # kind, schema, role, config, doc
 _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
-    ("actions", "treadle.events.ActionDispatched", TopicRole.INPUT, _DELETE, "Agents' tool calls; each opens a step."),
-    ("tool_results", "treadle.events.ToolResult", TopicRole.INPUT, _DELETE, "Outcomes of tool calls."),
-    ("rewards", "treadle.events.RewardSignal", TopicRole.INPUT, _DELETE, "Reward signals from any source."),
-    ("state_deltas", "treadle.events.StateDelta", TopicRole.INPUT, _DELETE, "Changes to the state graph."),
-    ("lifecycle", "treadle.events.LifecycleEvent", TopicRole.INPUT, _DELETE, "Session and episode phases."),
+    ("actions", DISPATCH, TopicRole.INPUT, _DELETE, "Agents' tool calls; each opens a step."),
+    ("tool_results", TOOL_RESULT, TopicRole.INPUT, _DELETE, "Outcomes of tool calls."),
+    ("rewards", REWARD, TopicRole.INPUT, _DELETE, "Reward signals from any source."),
+    ("state_deltas", STATE_DELTA, TopicRole.INPUT, _DELETE, "Changes to the state graph."),
+    ("lifecycle", LIFECYCLE, TopicRole.INPUT, _DELETE, "Session and episode phases."),
     (
         "llm_calls",
-        "treadle.events.LlmCall",
+        LLM_CALL,
         TopicRole.INPUT,
         _DELETE,
         "Model calls inside steps: prompt, completion, token ids, logprobs (for training triplets).",
     ),
-    ("transitions", "treadle.derived.Transition", TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
-    ("woven_rewards", "treadle.derived.WovenReward", TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
-    ("dead_letters", "treadle.derived.DeadLetter", TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),
-    ("state_versions", "treadle.derived.StateVersion", TopicRole.OUTPUT, _DELETE, "State-graph versions and changes."),
+    ("transitions", TRANSITION, TopicRole.OUTPUT, _DELETE, "Replay rows, one per step revision."),
+    ("woven_rewards", WOVEN_REWARD, TopicRole.OUTPUT, _DELETE, "Fused rewards per revision."),
+    ("dead_letters", DEAD_LETTER, TopicRole.OUTPUT, _KEEP, "Inputs that could not be processed."),
+    ("state_versions", STATE_VERSION, TopicRole.OUTPUT, _DELETE, "State-graph versions and changes."),
     (
         "evaluation_metrics",
-        "treadle.derived.EvaluationMetric",
+        EVALUATION_METRIC,
         TopicRole.OUTPUT,
         _DELETE,
         "Metric rows from evaluator processors (e.g. safety alerts).",
     ),
     (
         "late_rewards",
-        "treadle.derived.LateReward",
+        LATE_REWARD,
         TopicRole.OUTPUT,
         _KEEP,
         "Rewards not woven into a step: after grace, or orphans; with lateness and reason.",
     ),
     (
         "resource_samples",
-        "treadle.derived.ResourceSample",
+        RESOURCE_SAMPLE,
         TopicRole.OUTPUT,
         _DELETE,
         "GPU telemetry from workers (NVML), keyed by host, not by session.",

@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field
 from processors.steps.policy import PolicyBook, RewardPolicy, load_policy_file
 from processors.steps.reweave import Reweave, Row, policy_book, reweave
 from sinks.clickhouse import ClickHouseStore
-from sinks.variants import checked_variant, past_events, read_past_events, utc, write_variant, write_variant_rows
+from sinks.export_sql import utc
+from sinks.variants import checked_variant, past_events, read_past_events, write_variant, write_variant_rows
 from streams.runtime.plugins import ProcessorKind, ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
 from topics.catalog import TopicCatalog
