@@ -32,19 +32,27 @@ def short_name(schema_name: str) -> str:
     return schema_name.rsplit(".", 1)[-1]
 
 
+def field_problem(invalid: ValidationError) -> str | None:
+    """`field X is <value>, expected <type>` for fastavro's first complaint (it names the innermost field), or None."""
+    first = invalid.errors[0] if invalid.errors else None
+    field = getattr(first, "field", None)
+    if not field:
+        return None
+    where = field.removeprefix("treadle.events.").removeprefix("treadle.derived.")
+    expected = first.schema if isinstance(first.schema, str) else first.schema.get("type", "value")
+    if isinstance(first.schema, dict) and "symbols" in first.schema:
+        expected = f"one of {', '.join(first.schema['symbols'])}"
+    shown = repr(first.datum)
+    return f"field {where} is {shown if len(shown) <= 80 else shown[:79] + '…'}, expected {expected}"
+
+
 def encode_problem(codec: AvroCodec, schema_name: str, record: Any, exc: Exception) -> str:
     """Why `record` does not encode as `schema_name`, naming the field at fault where fastavro can find it."""
     try:
         validate(record, codec.schemas[schema_name].parsed, raise_errors=True)
     except ValidationError as invalid:
-        first = invalid.errors[0] if invalid.errors else None
-        field = getattr(first, "field", None)
-        if field:
-            where = field.removeprefix("treadle.events.").removeprefix("treadle.derived.")
-            expected = first.schema if isinstance(first.schema, str) else first.schema.get("type", "value")
-            if isinstance(first.schema, dict) and "symbols" in first.schema:
-                expected = f"one of {', '.join(first.schema['symbols'])}"
-            return f"field {where} is {first.datum!r}, expected {expected}"
+        if (problem := field_problem(invalid)) is not None:
+            return problem
     except Exception:
         pass  # fall back to the encoder's own words
     return f"it does not encode ({type(exc).__name__}: {exc})"

@@ -20,6 +20,7 @@ from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DecodeError
 from topics.intake import Accepted, Intake, SourceMessage
 from topics.names import INPUT_SCHEMAS
+from topics.publish_checks import field_problem
 from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
@@ -75,7 +76,7 @@ class EventChecker:
         try:
             validate(record, schema.parsed, raise_errors=True)
         except AvroValidationError as exc:
-            return Verdict(False, "SCHEMA", f"does not match {schema_name}: {_first_error(exc)}")
+            return Verdict(False, "SCHEMA", f"does not match {schema_name}: {field_problem(exc) or exc}")
         value = self.codec.encode_fastavro(schema_name, record)
         envelope = record.get("envelope") if isinstance(record.get("envelope"), dict) else {}
         key_text = key if key is not None else str(envelope.get("session_id") or "")
@@ -97,19 +98,6 @@ class EventChecker:
         except Exception as exc:  # truncated or corrupt Avro: fastavro's own error
             return DecodedBytes(None, None, f"DECODE: {type(exc).__name__}: {exc}", preview, len(value or b""))
         return DecodedBytes(schema_name, json.dumps(record, indent=2, default=str), None, preview, len(value or b""))
-
-
-def _first_error(exc: AvroValidationError) -> str:
-    """`field: value is not a <type>` for fastavro's first complaint (it names the innermost field)."""
-    errors = list(exc.errors) if isinstance(exc.errors, list | tuple) else [exc.errors]
-    if not errors:
-        return str(exc)
-    first = errors[0]
-    schema = getattr(first, "schema", None)
-    kind = schema.get("type", schema) if isinstance(schema, dict) else schema
-    shown = json.dumps(getattr(first, "datum", None), default=str)
-    shown = shown if len(shown) <= 80 else shown[:79] + "…"
-    return f"{getattr(first, 'field', '?')}: {shown} is not a valid {json.dumps(kind, default=str)}"
 
 
 def example_event(record_type: str) -> str:
