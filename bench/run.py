@@ -3,7 +3,7 @@
 It starts its own local stack (Kafka + Valkey on ports 29492/29493/29479, moved by TREADLE_BENCH_PORT_SHIFT, under a
 temporary TREADLE_HOME, Kafka's jars from the repository's .treadle/cache), uses a fresh topic prefix, stops
 everything at the end, and prints:
-  1. SDK produce events/s vs raw aiokafka sending pre-encoded bytes (same producer config);   target >= 0.7x
+  1. SDK produce events/s vs the raw aiokafka batch API sending pre-encoded bytes (and vs send()); target >= 0.8x
   2. worker input events/s (input -> final Transitions) vs a raw consume + Avro decode loop;    target >= 5,000/s
      on one core (the worker runs under `taskset -c 1` when taskset exists), and when ClickHouse has the rows;
   3. ClickHouseSink rows/s vs a direct chDB insert of the same rows (own process, fresh chDB path).

@@ -49,18 +49,20 @@ def default_partition(key: bytes, partitions: int) -> int:
 class Batch:
     """One partition's records being gathered; `done` resolves after every owner heard the outcome."""
 
-    __slots__ = ("builder", "done", "entries", "full")
+    __slots__ = ("builder", "done", "full", "owners", "tokens")
 
     def __init__(self, builder: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.builder = builder
         self.full = False
-        self.entries: list[tuple[DeliveryCallback, int]] = []
+        # each record's owner and token, side by side: no tuple per record for the garbage collector to visit
+        self.owners: list[DeliveryCallback] = []
+        self.tokens: list[int] = []
         self.done: asyncio.Future[None] = loop.create_future()
 
     def finish(self, error: BaseException | None) -> None:
         if self.done.done():
             return
-        for callback, token in self.entries:
+        for callback, token in zip(self.owners, self.tokens, strict=True):
             callback(token, error)
         self.done.set_result(None)
 
@@ -130,7 +132,8 @@ class PartitionBatcher:
         if batch.builder.append(timestamp=None, key=key, value=value) is None:
             batch.full = True  # the builder closed itself; the task takes it next
             return None
-        batch.entries.append((owner, token))
+        batch.owners.append(owner)
+        batch.tokens.append(token)
         return batch
 
     async def append_when_room(

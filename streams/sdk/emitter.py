@@ -41,6 +41,9 @@ from topics.ids import uuid7
 from topics.names import INPUT_SCHEMAS, REWARD
 from topics.settings import Settings
 
+_CHECKPOINT_S = 0.1  # the resolution of delivery timeouts (see _Emitter._expire_overdue)
+_KEPT_BATCHES = 64  # batches an emitter remembers before it drops the finished ones
+
 
 class _Emitter:
     """What every emitter shares: the producer, the codec, background-send tracking and `seq`."""
@@ -70,9 +73,14 @@ class _Emitter:
         self._seq = 0
         self._batcher: PartitionBatcher | None = None
         self._tokens = 0  # numbers the events handed over, for the batches' delivery callbacks
-        self._pending: dict[int, tuple[str, dict[str, Any], Batch]] = {}  # token -> (schema, record, its batch)
-        # (monotonic send time, token) in send order; acknowledged entries are dropped lazily from the left
-        self._sent_order: deque[tuple[float, int]] = deque()
+        # token -> encoded event, until acknowledged. Bytes, not the record: they hold nothing the garbage collector
+        # must visit, and the record is decoded from them only when the event fails (FailedEvent.record).
+        self._pending: dict[int, bytes] = {}
+        self._batches: dict[Batch, None] = {}  # the batches holding pending events (what flush waits for)
+        # (monotonic time, first token sent at or after it), one per _CHECKPOINT_S of sending: delivery timeouts
+        # are checked against these instead of a timestamp per event
+        self._checkpoints: deque[tuple[float, int]] = deque()
+        self._next_checkpoint = 0.0
         self._delivered_callback = self._on_delivered  # bound once: it is stored with every event
         self._failures: list[FailedEvent] = []
         self._abandoned = False  # some events were reported undelivered while the producer still holds them
@@ -121,14 +129,20 @@ class _Emitter:
         """
         waiting = list(self._pending)  # what was sent so far; later sends are the next flush's
         if waiting:
-            batches = {sent[2].done for sent in self._pending.values()}  # resolved once their events were told
-            await asyncio.wait(batches, timeout=self.delivery_timeout_s if timeout is None else timeout)
+            batches = {batch.done for batch in self._batches if not batch.done.done()}  # resolved once told
+            if batches:
+                await asyncio.wait(batches, timeout=self.delivery_timeout_s if timeout is None else timeout)
             overdue = [token for token in waiting if token in self._pending]
             if overdue:
                 self._expire(overdue, "not acknowledged by the broker when flush timed out")
+        self._forget_done_batches()
         if not self._pending:
-            self._sent_order.clear()
+            self._checkpoints.clear()
         self._raise_failures()
+
+    def _forget_done_batches(self) -> None:
+        for batch in [batch for batch in self._batches if batch.done.done()]:
+            del self._batches[batch]
 
     async def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the producer if this stream created it (a shared one is left running)."""
@@ -190,26 +204,37 @@ class _Emitter:
 
     def _surface_failures(self) -> None:
         """Raise what went wrong in the background since the last call, before this call sends anything."""
-        order, pending = self._sent_order, self._pending
-        while order and order[0][1] not in pending:
-            order.popleft()
-        if order and order[0][0] < time.monotonic() - self.delivery_timeout_s:
-            cutoff = time.monotonic() - self.delivery_timeout_s
-            overdue = []
-            while order and order[0][0] < cutoff:
-                token = order.popleft()[1]
-                if token in pending:
-                    overdue.append(token)
-            self._expire(overdue, f"not acknowledged within {self.delivery_timeout_s}s")
+        checkpoints = self._checkpoints
+        if checkpoints and checkpoints[0][0] < time.monotonic() - self.delivery_timeout_s - _CHECKPOINT_S:
+            self._expire_overdue()
         if self._failures:
             self._raise_failures()
+
+    def _expire_overdue(self) -> None:
+        """Report the events still unacknowledged delivery_timeout_s after they were sent (up to _CHECKPOINT_S later).
+
+        A checkpoint's events were all sent within _CHECKPOINT_S of its time: the next checkpoint is taken at the
+        first send after that. So once a checkpoint is that much older than the timeout, all of its events are due.
+        """
+        cutoff = time.monotonic() - self.delivery_timeout_s - _CHECKPOINT_S
+        checkpoints = self._checkpoints
+        while checkpoints and checkpoints[0][0] < cutoff:
+            checkpoints.popleft()
+        bound = checkpoints[0][1] if checkpoints else self._tokens  # the first token not yet due
+        why = f"not acknowledged within {self.delivery_timeout_s}s"
+        self._expire([token for token in self._pending if token < bound], why)
+        self._forget_done_batches()
 
     def _expire(self, tokens: Iterable[int], why: str) -> None:
         """Report pending events as failed; the producer may still deliver them (event_id deduplicates)."""
         for token in tokens:
-            schema, record, _ = self._pending.pop(token)
+            value = self._pending.pop(token)
             self._abandoned = True
-            self._failures.append(FailedEvent(schema, self._topics[schema], record, KafkaTimeoutError(why)))
+            self._failures.append(self._failed_event(value, KafkaTimeoutError(why)))
+
+    def _failed_event(self, value: bytes, error: BaseException) -> FailedEvent:
+        schema, record = self._codec.decode(value)
+        return FailedEvent(schema, self._topics[schema], record, error)
 
     def _raise_failures(self) -> None:
         if self._failures:
@@ -283,9 +308,18 @@ class _Emitter:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
         if batch is None:
             return self._send_when_room(schema, record, topic, partition, key, value, token)
-        self._pending[token] = (schema, record, batch)
-        self._sent_order.append((time.monotonic(), token))
+        self._track(token, value, batch)
         return None
+
+    def _track(self, token: int, value: bytes, batch: Batch) -> None:
+        """Remember a handed-over event until its batch's outcome is told (_on_delivered)."""
+        self._pending[token] = value
+        self._batches[batch] = None
+        if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
+            self._checkpoints.append((now, token))
+            self._next_checkpoint = now + _CHECKPOINT_S
+            if len(self._batches) > _KEPT_BATCHES:
+                self._forget_done_batches()  # so a stream that never flushes does not keep every batch
 
     async def _send_when_room(
         self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
@@ -299,14 +333,12 @@ class _Emitter:
                 batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
         except Exception as exc:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
-        self._pending[token] = (schema, record, batch)
-        self._sent_order.append((time.monotonic(), token))
+        self._track(token, value, batch)
 
     def _on_delivered(self, token: int, error: BaseException | None) -> None:
-        sent = self._pending.pop(token, None)  # None: already reported as expired
-        if sent is not None and error is not None:
-            schema, record, _ = sent
-            self._failures.append(FailedEvent(schema, self._topics[schema], record, error))
+        value = self._pending.pop(token, None)  # None: already reported as expired
+        if value is not None and error is not None:
+            self._failures.append(self._failed_event(value, error))
 
     async def _emit_reward(
         self,
@@ -356,7 +388,7 @@ class _Emitter:
             "name": name,
             "value": value,
             "confidence": confidence,
-            "annotator": _member(Annotator, _ANNOTATORS, annotator).value,
+            "annotator": _member(Annotator, _ANNOTATORS, annotator)._value_,  # not the `.value` descriptor
             "evidence": evidence,
         }
         encoded = self._encode(REWARD, record)

@@ -237,7 +237,7 @@ class AgentStream(_Emitter):
         record = {
             "envelope": self._step_envelope(step, event_id, attributes, event_time),
             "tool": step.tool,
-            "status": status.value,
+            "status": status._value_,  # `.value` is a descriptor call, once per event
             "output": _text(output),
             "error": error,
             "latency_ms": latency_ms,
