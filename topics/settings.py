@@ -282,6 +282,30 @@ class Settings(BaseModel):
         "records larger than this are truncated with the truncation recorded. ~148 KB below Kafka's 1 MiB record "
         "limit, so a dead letter wrapping a full-size event, or a step holding it with its other events, still fits.",
     )
+    spool_dir: Path | None = Field(
+        default=None,
+        description="TREADLE_SPOOL_DIR: where the SDK keeps events while the brokers are unreachable (one "
+        "subdirectory per stream, `<agent_id>-<n>`), and resends them from, in order, when they return or when the "
+        "next stream of the same agent_id starts after a restart. Unset: no spool; events not acknowledged within "
+        "the stream's delivery_timeout_s are reported failed (ProducerError).",
+    )
+    spool_max_bytes: int = Field(
+        default=1024**3,
+        ge=1024 * 1024,
+        description="TREADLE_SPOOL_MAX_BYTES: most bytes one stream's spool holds (1 GiB); past it, see "
+        "TREADLE_SPOOL_WHEN_FULL.",
+    )
+    spool_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="TREADLE_SPOOL_AFTER_S: with a spool, how long an event may stay unacknowledged before the "
+        "stream takes the brokers for unreachable and spools its unacknowledged and following events.",
+    )
+    spool_when_full: Literal["raise", "block"] = Field(
+        default="raise",
+        description="TREADLE_SPOOL_WHEN_FULL: a full spool makes the SDK call raise SpoolFullError (nothing sent, "
+        "nothing counted: the agent decides), or `block` until the spool has room again.",
+    )
     tool_schemas: Path | None = Field(
         default=None,
         description="TREADLE_TOOL_SCHEMAS: JSON file {tool: JSON Schema} checked at the processor boundary.",

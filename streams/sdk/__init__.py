@@ -7,6 +7,7 @@
 from streams.sdk.llm_calls import LlmCallFields
 from streams.sdk.outcomes import Outcome
 from streams.sdk.rewards import RewardEmitter
+from streams.sdk.spool import SpoolFullError
 from streams.sdk.stream import AgentStream
 from streams.sdk.sync import AgentStreamSync, RewardEmitterSync
 from streams.sdk.types import (
@@ -41,6 +42,7 @@ __all__ = [
     "ProducerError",
     "RewardEmitter",
     "RewardEmitterSync",
+    "SpoolFullError",
     "StepRef",
     "StreamError",
     "ToolCall",

@@ -11,6 +11,8 @@ a retry). aiokafka's idempotent producer retries forever while the broker is dow
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from collections import deque
 from collections.abc import Coroutine, Iterable, Mapping
@@ -18,10 +20,11 @@ from types import TracebackType
 from typing import Any, Self
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
+from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from streams.sdk.batching import Batch, PartitionBatcher, key_hash
 from streams.sdk.producer import create_producer
+from streams.sdk.spool import Spool, SpoolFullError
 from streams.sdk.types import (
     _ANNOTATORS,
     _METADATA_TIMEOUT_S,
@@ -43,6 +46,9 @@ from topics.settings import Settings
 
 _CHECKPOINT_S = 0.1  # the resolution of delivery timeouts (see _Emitter._expire_overdue)
 _KEPT_BATCHES = 64  # batches an emitter remembers before it drops the finished ones
+_SPOOL_RETRY_S = 1.0  # pause before a spooled segment whose send failed is sent again
+
+log = logging.getLogger(__name__)
 
 
 class _Emitter:
@@ -85,6 +91,14 @@ class _Emitter:
         self._failures: list[FailedEvent] = []
         self._abandoned = False  # some events were reported undelivered while the producer still holds them
         self._partition_counts: dict[str, int] = {}
+        # with TREADLE_SPOOL_DIR: events go to the spool while `_spooling` (brokers unreachable, or a predecessor's
+        # spool not yet resent), and `_drain` sends them back in order
+        self._spool: Spool | None = None
+        self._spooling = False
+        self._drain: asyncio.Task[None] | None = None
+        # how old the oldest unacknowledged event may get before _surface_failures acts (spools it, or reports it)
+        spooled = self.settings.spool_dir is not None
+        self._stale_after_s = (self.settings.spool_after_s if spooled else delivery_timeout_s) + _CHECKPOINT_S
         self._hashed: tuple[str, bytes, int] = ("", b"", 0)  # (session_id, key, murmur2) of the last key
         self._started = False
         self._closed = False
@@ -112,12 +126,21 @@ class _Emitter:
                     ) from None
                 self._partition_counts[topic] = len(partitions)
             self._batcher = PartitionBatcher.for_producer(self._producer)
+            if self.settings.spool_dir is not None:
+                name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.agent_id) or "agent"
+                self._spool = Spool.claim(self.settings.spool_dir, name, self.settings.spool_max_bytes)
         except BaseException:
             if self._owns_producer:
                 await self._producer.stop()
                 self._producer = None
             raise
         self._started = True
+        if self._spool:  # a predecessor's events, not yet sent: they go first, and what this stream emits after them
+            log.warning(
+                "resending %d events left in the producer spool %s by an earlier process",
+                self._spool.depth, self._spool.directory,
+            )  # fmt: skip
+            self._start_spooling()
         return self
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -138,6 +161,8 @@ class _Emitter:
         self._forget_done_batches()
         if not self._pending:
             self._checkpoints.clear()
+        if self._drain is not None and not self._drain.done():
+            await asyncio.wait({self._drain}, timeout=self.delivery_timeout_s if timeout is None else timeout)
         self._raise_failures()
 
     def _forget_done_batches(self) -> None:
@@ -153,8 +178,24 @@ class _Emitter:
                 await self.flush(timeout)
         finally:
             self._closed = True
+            await self._close_spool()
             if self._owns_producer and self._producer is not None:
                 await self._stop_owned_producer(self._producer)
+
+    async def _close_spool(self) -> None:
+        if self._drain is not None:
+            self._drain.cancel()
+            await asyncio.gather(self._drain, return_exceptions=True)
+            self._drain = None
+        if self._spool is not None:
+            if self._spool:
+                log.warning(
+                    "%d events stay in the producer spool %s: the brokers did not take them before the stream "
+                    "closed; the next stream of agent %r started with TREADLE_SPOOL_DIR=%s sends them",
+                    self._spool.depth, self._spool.directory, self.agent_id, self.settings.spool_dir,
+                )  # fmt: skip
+            self._spool.close()
+            self._spool = None
 
     async def _stop_owned_producer(self, producer: AIOKafkaProducer) -> None:
         """Stop our producer without hanging on events it can no longer deliver.
@@ -191,8 +232,23 @@ class _Emitter:
 
     @property
     def pending(self) -> int:
-        """Events handed to the producer and not yet acknowledged."""
+        """Events handed to the producer and not yet acknowledged (spooled ones not included)."""
         return len(self._pending)
+
+    @property
+    def spool_depth(self) -> int:
+        """Events in this stream's producer spool (TREADLE_SPOOL_DIR), waiting for the brokers; 0 without one."""
+        return self._spool.depth if self._spool is not None else 0
+
+    @property
+    def spool_bytes(self) -> int:
+        """Bytes in this stream's producer spool; 0 without one."""
+        return self._spool.size_bytes if self._spool is not None else 0
+
+    @property
+    def spooling(self) -> bool:
+        """Whether new events go to the spool (the brokers were unreachable and the spool is not yet resent)."""
+        return self._spooling
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -205,8 +261,11 @@ class _Emitter:
     def _surface_failures(self) -> None:
         """Raise what went wrong in the background since the last call, before this call sends anything."""
         checkpoints = self._checkpoints
-        if checkpoints and checkpoints[0][0] < time.monotonic() - self.delivery_timeout_s - _CHECKPOINT_S:
-            self._expire_overdue()
+        if checkpoints and checkpoints[0][0] < time.monotonic() - self._stale_after_s:
+            if self._spool is None:
+                self._expire_overdue()
+            elif self._overdue(self.settings.spool_after_s):
+                self._start_spooling()
         if self._failures:
             self._raise_failures()
 
@@ -216,14 +275,140 @@ class _Emitter:
         A checkpoint's events were all sent within _CHECKPOINT_S of its time: the next checkpoint is taken at the
         first send after that. So once a checkpoint is that much older than the timeout, all of its events are due.
         """
-        cutoff = time.monotonic() - self.delivery_timeout_s - _CHECKPOINT_S
+        why = f"not acknowledged within {self.delivery_timeout_s}s"
+        self._expire(self._overdue(self.delivery_timeout_s), why)
+        self._forget_done_batches()
+
+    def _overdue(self, age: float) -> list[int]:
+        """The pending events sent more than `age` seconds ago (up to _CHECKPOINT_S more); their checkpoints go."""
+        cutoff = time.monotonic() - age - _CHECKPOINT_S
         checkpoints = self._checkpoints
         while checkpoints and checkpoints[0][0] < cutoff:
             checkpoints.popleft()
         bound = checkpoints[0][1] if checkpoints else self._tokens  # the first token not yet due
-        why = f"not acknowledged within {self.delivery_timeout_s}s"
-        self._expire([token for token in self._pending if token < bound], why)
-        self._forget_done_batches()
+        return [token for token in self._pending if token < bound]
+
+    # -- the producer spool (TREADLE_SPOOL_DIR) -------------------------------------------------
+
+    def _start_spooling(self) -> None:
+        """The brokers look unreachable: every unacknowledged event, then every new one, goes to the spool until
+        `_drain_spool` has sent it all.
+
+        The producer still holds the moved events. Were it to deliver a later one after failing an earlier one
+        (aiokafka expires batches that wait longer than request_timeout_ms), the resend would land behind it: so
+        a producer of the stream's own is replaced (its batches failed) before the spool is sent. A shared one
+        (`producer=`) cannot be: its moved events may then also arrive ahead of the resend, as duplicates (the
+        pipeline ignores a duplicate event_id), and in the expiry case out of seq order.
+        """
+        assert self._spool is not None
+        moved = bool(self._pending)
+        if moved:
+            log.warning(
+                "no broker acknowledged events for %.0f s: spooling them and what follows to %s; they are sent, "
+                "in order, when the brokers are back",
+                self.settings.spool_after_s, self._spool.directory,
+            )  # fmt: skip
+        for token in sorted(self._pending):  # token order is send order
+            value = self._pending[token]
+            schema, record = self._codec.decode(value)
+            self._spool.append(self._topics[schema], record["envelope"]["session_id"].encode(), value, force=True)
+        self._abandoned = bool(self._pending) or self._abandoned  # close must not wait on their batches
+        self._pending.clear()
+        self._checkpoints.clear()
+        self._batches.clear()
+        self._spooling = True
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.get_running_loop().create_task(self._drain_spool(moved and self._owns_producer))
+
+    def _to_spool(self, topic: str, key: bytes, value: bytes) -> Coroutine[Any, Any, None] | None:
+        assert self._spool is not None
+        try:
+            self._spool.append(topic, key, value)
+        except SpoolFullError:
+            if self.settings.spool_when_full == "raise":
+                raise
+            return self._to_spool_when_room(topic, key, value)
+        return None
+
+    async def _to_spool_when_room(self, topic: str, key: bytes, value: bytes) -> None:
+        """TREADLE_SPOOL_WHEN_FULL=block: wait until the resend made room (or the brokers took over again)."""
+        assert self._spool is not None
+        while True:
+            await asyncio.sleep(_SPOOL_RETRY_S / 10)
+            try:
+                self._spool.append(topic, key, value)
+            except SpoolFullError:
+                continue
+            if not self._spooling:  # the resend finished meanwhile: this event must still follow what it sent
+                self._start_spooling()
+            return
+
+    async def _drain_spool(self, replace_producer: bool) -> None:
+        """Send the spool, oldest segment first, each once the one before it was acknowledged; then stop spooling.
+
+        While the brokers are down the first segment's batches wait in the producer, which retries them until
+        they are back. A segment is dropped only when all of it was acknowledged, so a process that dies first
+        resends it (its events keep their event_ids; the pipeline ignores the duplicates).
+        """
+        if replace_producer:
+            await self._replace_producer()
+        assert self._spool is not None and self._batcher is not None
+        spool, batcher = self._spool, self._batcher
+        errors: list[BaseException] = []
+
+        def told(_token: int, error: BaseException | None) -> None:
+            if error is not None:
+                errors.append(error)
+
+        while (oldest := spool.oldest()) is not None:
+            number, events = oldest
+            batches: dict[Batch, None] = {}
+            for topic, key, value in events:
+                partition = key_hash(key) % await self._partition_count(topic)
+                batches[await batcher.append_when_room(topic, partition, key, value, told, 0)] = None
+            await asyncio.wait([batch.done for batch in batches])
+            if errors:
+                log.warning(
+                    "resending %d spooled events failed (%r); trying again in %.0f s",
+                    len(events), errors[0], _SPOOL_RETRY_S,
+                )  # fmt: skip
+                errors.clear()
+                await asyncio.sleep(_SPOOL_RETRY_S)
+                continue
+            spool.drop(number)
+        self._spooling = False  # no await since the spool was seen empty: the next event goes straight out, after
+        log.info("the producer spool %s is resent; sending directly again", spool.directory)
+
+    async def _replace_producer(self) -> None:
+        """Fail every batch of this stream's producer (their events are in the spool) and start a new one once a
+        broker answers: nothing the old one held can land after the resend."""
+        assert self._producer is not None
+        old, self._producer = self._producer, None
+        self._abandoned = True
+        await self._stop_owned_producer(old)
+        self._abandoned = False
+        while True:
+            candidate = create_producer(self.settings, **self._producer_options)
+            try:
+                await candidate.start()
+            except KafkaError as exc:
+                await candidate.stop()
+                log.debug("brokers still unreachable (%r); the spool waits", exc)
+                await asyncio.sleep(_SPOOL_RETRY_S)
+                continue
+            except BaseException:
+                await candidate.stop()
+                raise
+            break
+        self._producer = candidate
+        self._batcher = PartitionBatcher.for_producer(candidate)
+
+    async def _partition_count(self, topic: str) -> int:
+        count = self._partition_counts.get(topic)
+        if count is None:  # a topic of an earlier process's spool
+            assert self._producer is not None
+            count = self._partition_counts[topic] = len(await self._producer.partitions_for(topic))
+        return count
 
     def _expire(self, tokens: Iterable[int], why: str) -> None:
         """Report pending events as failed; the producer may still deliver them (event_id deduplicates)."""
@@ -297,6 +482,8 @@ class _Emitter:
             key = session_id.encode()
             self._hashed = (session_id, key, key_hash(key))
         _, key, hashed = self._hashed
+        if self._spooling:
+            return self._to_spool(topic, key, value)
         # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
         partition = hashed % self._partition_counts[topic]
         token = self._tokens
@@ -329,7 +516,17 @@ class _Emitter:
         try:
             batch = None
             while batch is None:
-                await self._batcher.room(topic, partition)
+                if self._spool is None:
+                    await self._batcher.room(topic, partition)
+                else:  # the brokers may be gone: wait for room only as long as an event may stay unacknowledged
+                    try:
+                        await asyncio.wait_for(self._batcher.room(topic, partition), self.settings.spool_after_s)
+                    except TimeoutError:
+                        self._start_spooling()
+                    if self._spooling:
+                        if (waiting := self._to_spool(topic, key, value)) is not None:
+                            await waiting
+                        return
                 batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
         except Exception as exc:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc

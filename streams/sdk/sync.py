@@ -132,6 +132,11 @@ class _SyncFacade:
     def pending(self) -> int:
         return self._inner.pending
 
+    @property
+    def spool_depth(self) -> int:
+        """Events waiting in the producer spool (TREADLE_SPOOL_DIR) for the brokers."""
+        return self._inner.spool_depth
+
     def __enter__(self) -> Self:
         return self.start()
 
