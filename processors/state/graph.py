@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -192,6 +193,9 @@ class Pending:
         return (self.seq, self.event_id)
 
 
+_SIZE = operator.attrgetter("size")
+
+
 @dataclass
 class Flush:
     """A decided early release: buffered events up to `upto` that had arrived when it was decided.
@@ -267,7 +271,7 @@ class SessionState:
         return cls.from_dict(orjson.loads(data))
 
     def buffer_bytes(self) -> int:
-        return sum(p.size for p in self.buffer)
+        return sum(map(_SIZE, self.buffer))
 
     def ended_reason(self) -> str:
         return (
