@@ -66,6 +66,7 @@ class TableGraphStore:
         self._new_versions: dict[str, dict[int, dict[str, Any]]] = {}  # session -> ordinal -> version, unwritten
         self._dropped: dict[str, int] = {}  # session -> highest ordinal that left the rollback window
         self._chunks: dict[str, list[list[dict[str, Any]]]] = {}  # session -> version lists read this batch
+        self._committing: dict[str, int] = {}  # session -> first ordinal of the versions this commit wrote
 
     def _get(self, key: bytes) -> Any:
         if key in self.writes:
@@ -167,6 +168,7 @@ class TableGraphStore:
         written = 0
         for session, staged in self._new_versions.items():
             chunk = [staged[o] for o in sorted(staged)]
+            self._committing.setdefault(session, chunk[0]["ordinal"])
             pieces = _pieces(chunk)
             keys = {version_key(session, piece[0]["ordinal"]) for piece, _ in pieces}
             for stale in self._keys_from(session, chunk[0]["ordinal"]):
@@ -191,23 +193,23 @@ class TableGraphStore:
 
     def _out_of_window(self, session: str, dropped: int) -> list[bytes]:
         """Version keys whose every version is at or below `dropped`: those followed by a key starting at or
-        below dropped + 1."""
+        below dropped + 1; never the keys of this commit (its write-ahead log, re-read after a crash)."""
         keys = self._keys_from(session, 0)
-        cut = version_key(session, dropped + 1)
+        cut = version_key(session, min(dropped + 1, self._committing.get(session, dropped + 1)))
         return [key for key, following in pairwise(keys) if following <= cut]
 
 
 _PIECE_BYTES = 512 * 1024  # a version key's value at most (unless one version is larger): well under a record's 1 MB
 
 
-def _pieces(chunk: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], bytes]]:
-    """A commit's versions split into runs whose JSON array stays under _PIECE_BYTES, each with its bytes."""
+def _pieces(chunk: list[dict[str, Any]], limit: int = _PIECE_BYTES) -> list[tuple[list[dict[str, Any]], bytes]]:
+    """A commit's versions split into runs whose JSON array stays under `limit` bytes, each with its bytes."""
     pieces: list[tuple[list[dict[str, Any]], bytes]] = []
     run: list[dict[str, Any]] = []
     parts: list[bytes] = []
     size = 0
     for version, part in zip(chunk, map(orjson.dumps, chunk), strict=True):
-        if run and size + len(part) > _PIECE_BYTES:
+        if run and size + len(part) > limit:
             pieces.append((run, b"[" + b",".join(parts) + b"]"))
             run, parts, size = [], [], 0
         run.append(version)
