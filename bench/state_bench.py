@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from bench.common import machine_facts
+from bench.common import loadavg, machine_facts
 from processors.state.graph import FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.sql_client import arrow_queries, run_sql, run_sql_arrow
@@ -373,7 +373,7 @@ def _rows_state(settings: Any, ordinal: int) -> Any:
 # -- 1. worker ----------------------------------------------------------------------------------------------------
 
 
-def bench_worker(steps: int, sessions: int, partitions: int, timeout: float) -> list[str]:
+def bench_worker(steps: int, sessions: int, partitions: int, timeout: float, profile: Path | None = None) -> list[str]:
     """deltas/s through a real worker with the state processor; the steps-only worker is the baseline."""
     from bench.common import bench_settings, local_stack
 
@@ -388,27 +388,51 @@ def bench_worker(steps: int, sessions: int, partitions: int, timeout: float) -> 
             )  # fmt: skip
         with local_stack(base) as took:
             lines.append(f"local stack up in {took:.1f}s; {steps} steps over {sessions} sessions, 3 events each")
+            rates: dict[str, float] = {}
             for processors in (("state",), ("steps",)):
                 name = f"{base.topic_prefix}{processors[0]}"
                 settings = base.model_copy(
                     update={"processors": processors, "sink": "off", "topic_prefix": name, "app_id": name,
                             "home": Path(home) / processors[0]}
                 )  # fmt: skip
-                elapsed, done = asyncio.run(_drive(settings, steps, sessions, timeout))
+                spy_to = profile if profile is not None and processors == ("state",) else None
+                elapsed, cpu, done = asyncio.run(_drive(settings, steps, sessions, timeout, spy_to))
+                rates[processors[0]] = steps / elapsed
                 label = "state processor" if processors == ("state",) else "  baseline: steps processor"
                 what = "StateVersions" if processors == ("state",) else "final Transitions"
                 status = "" if done else f" (TIMED OUT, {done}/{what})"
                 lines.append(
                     f"{label:<40} {steps / elapsed:9,.0f} deltas/s  {3 * steps / elapsed:9,.0f} events/s "
-                    f"({elapsed:.1f}s until every {what[:-1]}){status}"
+                    f"({elapsed:.1f}s until every {what[:-1]}; {steps / cpu:,.0f} deltas per worker CPU second){status}"
                 )
+                if processors == ("state",):
+                    state_settings = settings
+            raw = asyncio.run(_raw_consume(state_settings, 3 * steps))
+            lines.append(
+                f"{'  baseline: raw consume + decode':<40} {raw / 3:9,.0f} deltas/s  {raw:9,.0f} events/s "
+                "(the same input topics, one aiokafka consumer + AvroCodec.decode)"
+            )
+            state_rate = rates["state"]
+            ratios = f"state / steps {state_rate / rates['steps']:.3f}; state / raw {3 * state_rate / raw:.3f}"
+            lines.append(f"{ratios}; target >= 10,000 deltas/s; load {loadavg()}")
     return lines
 
 
-async def _drive(settings: Any, steps: int, sessions: int, timeout: float) -> tuple[float, bool]:
+async def _raw_consume(settings: Any, events: int) -> float:
+    """Events/s of a raw consume + decode of the input topics the worker read (bench.consume's loop)."""
+    from bench.consume import consume
+
+    measured, _ = await consume(settings, events, 120.0)
+    return measured.rate
+
+
+async def _drive(
+    settings: Any, steps: int, sessions: int, timeout: float, profile: Path | None = None
+) -> tuple[float, float, bool]:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-    from bench.worker_bench import BenchWorker
+    from bench.common import cpu_seconds
+    from bench.worker_bench import BenchWorker, py_spy, stop_spy
     from streams.runtime.worker import prepare_cluster
     from streams.sdk.producer import producer_config
     from topics.catalog import TopicCatalog
@@ -427,8 +451,11 @@ async def _drive(settings: Any, steps: int, sessions: int, timeout: float) -> tu
     out_topic = catalog["state_versions" if state else "transitions"].name
     want = len(encoded) if state else steps // sessions * sessions
     worker = BenchWorker(settings, pin=False).start()
+    spy = None
     try:
         await asyncio.to_thread(worker.wait_ready, 180)
+        spy = py_spy(worker.pid, profile) if profile is not None else None
+        cpu_before = cpu_seconds(worker.pid) or 0.0
         consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, auto_offset_reset="earliest")
         producer = AIOKafkaProducer(**producer_config(settings, client_id="state-bench"))
         await consumer.start()
@@ -448,7 +475,9 @@ async def _drive(settings: Any, steps: int, sessions: int, timeout: float) -> tu
                         seen.add(
                             (record["session_id"], record["ordinal"]) if state else (record["logical_event_id"], 0)
                         )
-            return time.perf_counter() - started, len(seen) >= want
+            elapsed = time.perf_counter() - started
+            stop_spy(spy)
+            return elapsed, (cpu_seconds(worker.pid) or 0.0) - cpu_before, len(seen) >= want
         finally:
             await producer.stop()
             await consumer.stop()
@@ -465,16 +494,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=21, help="timed runs per query; the median is shown (21)")
     parser.add_argument("--batch", type=int, default=5_000, help="rows per ClickHouse insert, as the sink (5,000)")
     parser.add_argument("--skip-worker", action="store_true", help="only the in-process sections (no Kafka)")
+    parser.add_argument("--skip-history", action="store_true", help="no chDB history section")
+    parser.add_argument("--profile", type=Path, help="py-spy the state worker (raw/collapsed) into this file")
     args = parser.parse_args()
     print(machine_facts())
     if not args.skip_worker:
         print("1. worker (own local stack, TREADLE_SINK=off, not pinned):")
-        for line in bench_worker(args.steps, args.sessions, 4, 300.0):
+        for line in bench_worker(args.steps, args.sessions, 4, 300.0, args.profile):
             print(f"  {line}")
     fold_rate, plain_rate = bench_fold(args.deltas)
     print("2. fold, in process, one core (5 upserts + deletes per delta, state serialized every 100 deltas):")
     print(f"  {'StateFold over a dict store':<40} {fold_rate:9,.0f} deltas/s")
     print(f"  {'  baseline: plain dict apply':<40} {plain_rate:9,.0f} deltas/s")
+    if args.skip_history:
+        return
     print(f"3. history on chDB, one session, {args.nodes:,} nodes created (p50 of {args.runs}; targets 50 ms / 10 ms):")
     for label, ms, rows in bench_history(args.nodes, args.runs, args.batch):
         print(f"  {label}" if not ms else f"  {label:<44} p50 {ms:7.1f} ms  ({rows:,} rows)")

@@ -4,7 +4,10 @@ Layout per session: `<prefix>:state:<session>:meta` (hash: version_id, ordinal, 
 `…:nodes` (hash: node id -> {"type", "data", "expires_at", "caused_by_tool"} JSON), `…:edges` (hash:
 "src\\x1fdst\\x1ftype" -> data JSON). A version is applied by one Lua script, atomically and only on top of
 its parent (ordinal = stored + 1): older versions (a replay) are ignored, and a gap (Redis was wiped or is
-behind) is reported so the worker rewrites the session from its tables. `<prefix>:state:epoch` marks a
+behind) is reported so the worker rewrites the session from its tables. The versions a commit made for one
+session go in one call: their changes merged (the last value of each node and edge), applied when the stored
+ordinal is anywhere from just below the first to just below the last (what the run adds on top of any of
+those is the same final state). `<prefix>:state:epoch` marks a
 cache the worker has filled; when it disappears (FLUSHALL, a new Redis) the worker rebuilds every session it owns.
 TTL'd nodes also get a hash-field expiry (HPEXPIREAT, Redis >= 7.4 / Valkey >= 9) and readers drop expired ones.
 """
@@ -29,7 +32,7 @@ _APPLY = """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'ordinal') or '0')
 local ord = tonumber(ARGV[1])
 if cur >= ord then return 0 end
-if cur ~= ord - 1 then return -1 end
+if cur < tonumber(ARGV[7]) - 1 then return -1 end
 local ch = cjson.decode(ARGV[6])
 for _, n in ipairs(ch[1]) do
   if n[2] == '' then redis.call('HDEL', KEYS[2], n[1]) else
@@ -75,6 +78,32 @@ def node_value(rec: NodeRec) -> str:
     ).decode()
 
 
+def _node_json(interval: dict[str, Any]) -> str:
+    """node_value of a StateVersion's interval dict, without building the NodeRec."""
+    return orjson.dumps(
+        {
+            "type": interval["type"],
+            "data": orjson.Fragment(interval["data_json"]),
+            "expires_at": interval["expires_at"],
+            "caused_by_tool": interval["caused_by_tool"],
+        }
+    ).decode()
+
+
+def _runs(versions: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Versions grouped into runs of one session's consecutive ordinals, in order of their first version."""
+    runs: list[list[dict[str, Any]]] = []
+    open_runs: dict[str, list[dict[str, Any]]] = {}
+    for v in versions:
+        run = open_runs.get(v["session_id"])
+        if run is not None and run[-1]["ordinal"] + 1 == v["ordinal"]:
+            run.append(v)
+        else:
+            run = open_runs[v["session_id"]] = [v]
+            runs.append(run)
+    return runs
+
+
 def edge_field(key: EdgeKey) -> str:
     return _SEP.join(key)
 
@@ -88,27 +117,31 @@ class StateCache:
         self._apply = client.register_script(_APPLY)
 
     async def apply_versions(self, versions: Iterable[dict[str, Any]]) -> set[str]:
-        """Apply StateVersion records in order; returns the sessions that hit a gap (need a snapshot)."""
+        """Apply StateVersion records in order, one call per run of a session's consecutive versions; returns the
+        sessions that hit a gap (need a snapshot)."""
         pipe = self.client.pipeline(transaction=False)
         sessions = []
-        for v in versions:
-            nodes = [
-                [
-                    c["node_id"],
-                    "" if c["next"] is None else node_value(NodeRec.from_dict(c["next"])),
-                    (c["next"] or {}).get("expires_at") // 1000 if (c["next"] or {}).get("expires_at") else 0,
-                ]
-                for c in v["node_changes"]
-            ]
-            edges = [
-                [edge_field((c["src"], c["dst"], c["type"])), "" if c["next"] is None else c["next"]["data_json"]]
-                for c in v["edge_changes"]
-            ]
-            args = [v["ordinal"], v["version_id"], v["event_time"], v["node_count"], v["edge_count"]]
+        for run in _runs(versions):
+            nodes: dict[str, list[Any]] = {}
+            edges: dict[str, list[Any]] = {}
+            for v in run:
+                for c in v["node_changes"]:
+                    after = c["next"]
+                    if after is None:
+                        nodes[c["node_id"]] = [c["node_id"], "", 0]
+                    else:
+                        expires = after["expires_at"]
+                        nodes[c["node_id"]] = [c["node_id"], _node_json(after), expires // 1000 if expires else 0]
+                for c in v["edge_changes"]:
+                    name = edge_field((c["src"], c["dst"], c["type"]))
+                    edges[name] = [name, "" if c["next"] is None else c["next"]["data_json"]]
+            last = run[-1]
+            args = [last["ordinal"], last["version_id"], last["event_time"], last["node_count"], last["edge_count"]]
+            changes = orjson.dumps([list(nodes.values()), list(edges.values())])
             await self._apply(
-                keys=_keys(self.prefix, v["session_id"]), args=[*args, orjson.dumps([nodes, edges])], client=pipe
+                keys=_keys(self.prefix, last["session_id"]), args=[*args, changes, run[0]["ordinal"]], client=pipe
             )
-            sessions.append(v["session_id"])
+            sessions.append(last["session_id"])
         results = await pipe.execute() if sessions else []
         return {s for s, r in zip(sessions, results, strict=True) if r == GAP}
 

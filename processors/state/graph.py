@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -192,6 +193,9 @@ class Pending:
         return (self.seq, self.event_id)
 
 
+_SIZE = operator.attrgetter("size")
+
+
 @dataclass
 class Flush:
     """A decided early release: buffered events up to `upto` that had arrived when it was decided.
@@ -267,7 +271,7 @@ class SessionState:
         return cls.from_dict(orjson.loads(data))
 
     def buffer_bytes(self) -> int:
-        return sum(p.size for p in self.buffer)
+        return sum(map(_SIZE, self.buffer))
 
     def ended_reason(self) -> str:
         return (
@@ -644,8 +648,11 @@ class _Stage:
         return self.store.get_node(self.session, node_id)
 
     def set_node(self, node_id: str, rec: NodeRec | None, op: str) -> None:
-        before = self._nodes[node_id][0] if node_id in self._nodes else self.store.get_node(self.session, node_id)
-        current = self.node(node_id)
+        staged = self._nodes.get(node_id)
+        if staged is None:
+            before = current = self.store.get_node(self.session, node_id)
+        else:
+            before, current = staged[0], staged[1]
         if current is None and rec is None:
             return
         if current is not None and rec is not None and current.content() == rec.content():
@@ -659,8 +666,11 @@ class _Stage:
         return self.store.get_edge(self.session, key)
 
     def set_edge(self, key: EdgeKey, rec: EdgeRec | None, op: str | None = None) -> None:
-        before = self._edges[key][0] if key in self._edges else self.store.get_edge(self.session, key)
-        current = self.edge(key)
+        staged = self._edges.get(key)
+        if staged is None:
+            before = current = self.store.get_edge(self.session, key)
+        else:
+            before, current = staged[0], staged[1]
         if current is None and rec is None:
             return
         if current is not None and rec is not None and current.data_json == rec.data_json:

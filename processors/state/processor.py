@@ -6,7 +6,7 @@ edges, recent versions and TTL heap (processors/state/store.py).
 
 Crash safety without transactions. A kill -9 can land between any two sends, and changelog records of
 different tables (or keys) are not written atomically, so the session's commit record is the only truth:
-per batch the processor (1) folds in memory, (2) writes the new versions' keys (the write-ahead log) and
+per batch the processor (1) folds in memory, (2) writes the new versions' key (the write-ahead log) and
 waits until everything sent so far is acked, (3) sends each changed session's commit record and waits for
 its ack, then (4) writes the nodes, edges and TTLs and publishes the versions. After a restart the first
 load of a session re-applies and re-publishes its last commit's versions from their keys (idempotent
@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 
 _CACHED_SESSIONS = 4096  # decoded commit records kept in memory
 _COMMIT_BYTES = 1024 * 1024  # commit a session mid-batch once its uncommitted versions are this large
+# ... or this many: a commit's versions are re-published after a crash. Not tied to the rollback window: the
+# window drops whole version keys after a commit, never those of the commit itself (TableGraphStore).
+_COMMIT_VERSIONS = 4096
 
 
 @dataclass
@@ -240,7 +243,7 @@ class StateProcessor:
                     work.add(out)
                     if problem is not None:
                         await ctx.failed(self.name, event, ValueError(problem))
-                    if work.size > _COMMIT_BYTES or len(work.versions) >= self.fold.config.history:
+                    if work.size > _COMMIT_BYTES or len(work.versions) >= _COMMIT_VERSIONS:
                         await self._commit([work], ctx)
                         works[session] = self._open(session, event.source.partition)
                 await self._commit(list(works.values()), ctx)
