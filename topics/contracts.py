@@ -1,0 +1,422 @@
+"""Action contracts as data: preconditions, parameter constraints and postconditions in CEL, and their evaluation.
+
+A contract names a tool and holds three lists of clauses, each a CEL expression (cel-python; never Python eval)
+that must evaluate to a bool:
+
+- `preconditions` see `state` (the session's state graph at the dispatch: the version the agent acted on);
+- `params` (parameter constraints) see `state` and `params` (the dispatch's parameters);
+- `postconditions` see `before` (the state at the dispatch), `state` (the state at the tool result), `params`
+  and `result` (the tool result: status, output, error, latency_ms, and `json`, the output parsed as JSON or null).
+
+The state views hold the world the agent reasons about: `{"version": id, "nodes": {node id: {"id", "type",
+"data"}}}`, without the state graph's own per-step nodes (types `action` and `tool_result`).
+
+This module is pure: compiling, binding the views and evaluating are functions of their arguments, so a replay
+evaluates to the same outcome. Registration (the topic, node types) lives in the contract registry module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import celpy
+import orjson
+from celpy import celtypes
+from lark import Token, Tree
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+AUTO_NODE_TYPES = frozenset({"action", "tool_result"})  # the state graph's per-step nodes, left out of the views
+_MAX_SEEN_CHARS = 400  # how much of a tool output a check row keeps among the values it saw
+
+PHASE_VARIABLES: Mapping[str, frozenset[str]] = {
+    "preconditions": frozenset({"state"}),
+    "params": frozenset({"state", "params"}),
+    "postconditions": frozenset({"state", "before", "params", "result"}),
+}
+_ALL_VARIABLES = frozenset().union(*PHASE_VARIABLES.values())
+_TYPE_LITERAL = re.compile(r"""\.type\s*==\s*["']([^"']+)["']|["']([^"']+)["']\s*==\s*[\w.\[\]"']*\.type\b""")
+
+
+class Phase(StrEnum):
+    PRE = "pre"  # preconditions and parameter constraints, at the dispatch
+    POST = "post"  # postconditions, at the tool result
+
+
+class Outcome(StrEnum):
+    PASSED = "passed"
+    VIOLATED = "violated"
+    NOT_EVALUABLE = "not_evaluable"  # a clause raised (a missing key, a wrong type) or gave no bool
+
+
+class ContractError(ValueError):
+    """A contract that cannot be registered or used; `reasons` lists every problem found."""
+
+    def __init__(self, name: str, reasons: Sequence[str]) -> None:
+        self.name, self.reasons = name, list(reasons)
+        super().__init__(f"contract {name!r} refused: " + "; ".join(self.reasons))
+
+
+class Clause(BaseModel):
+    """One named CEL expression that must be true."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, description="What the clause says, shown in check rows and explanations.")
+    expr: str = Field(min_length=1, description="A CEL expression that evaluates to a bool.")
+
+
+class Contract(BaseModel):
+    """One version of a contract: what must hold before, during and after a tool call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(default="", description="The contract's name (default: the tool); several may cover a tool.")
+    tool: str = Field(min_length=1, description="The tool (ActionDispatched.tool) the contract covers.")
+    version: int = Field(default=0, ge=0, description="Assigned at registration: 1, 2, ... per name.")
+    effective_from_us: int = Field(default=0, description="Steps dispatched at or after this event time use it.")
+    description: str = ""
+    node_types: tuple[str, ...] = Field(default=(), description="Node types the clauses read (must be registered).")
+    preconditions: tuple[Clause, ...] = ()
+    params: tuple[Clause, ...] = ()
+    postconditions: tuple[Clause, ...] = ()
+
+    @field_validator("preconditions", "params", "postconditions", mode="before")
+    @classmethod
+    def _clauses(cls, value: Any) -> Any:
+        """A clause may be written as a bare expression (its own name) or as {name: expr}."""
+        if not isinstance(value, list | tuple):
+            return value
+        out = []
+        for item in value:
+            if isinstance(item, str):
+                out.append({"name": item, "expr": item})
+            elif isinstance(item, dict) and len(item) == 1 and "expr" not in item:
+                [(name, expr)] = item.items()
+                out.append({"name": name, "expr": expr})
+            else:
+                out.append(item)
+        return out
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("name") and data.get("tool"):
+            data = {**data, "name": data["tool"]}
+        return data
+
+    @model_validator(mode="after")
+    def _unique_clauses(self) -> Contract:
+        names = [c.name for c in self.clauses()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"contract {self.name}: clause name(s) used twice: {', '.join(repeated)}")
+        return self
+
+    def clauses(self) -> list[Clause]:
+        return [*self.preconditions, *self.params, *self.postconditions]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@v{self.version}"
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+
+
+def load_contract(text: str, source: str = "<contract>") -> Contract:
+    """A contract from YAML or JSON text; ContractError with the reason when it is not one."""
+    import yaml  # YAML is a superset of JSON
+
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ContractError(source, [f"not YAML or JSON: {exc}"]) from None
+    if not isinstance(doc, dict):
+        raise ContractError(source, [f"holds a {type(doc).__name__}, not a mapping"])
+    try:
+        return Contract.model_validate(doc)
+    except ValueError as exc:
+        errors = getattr(exc, "errors", None)
+        reasons = (
+            [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in errors()] if errors else [str(exc)]
+        )
+        raise ContractError(str(doc.get("name") or doc.get("tool") or source), reasons) from None
+
+
+# -- compiling --------------------------------------------------------------------------------------------------------
+
+_ENV = celpy.Environment()
+
+
+def _variables(tree: Tree) -> set[str]:
+    """Identifiers an expression reads as variables (not fields, not macro-bound names, not function names)."""
+    bound: set[str] = set()
+    found: set[str] = set()
+    for node in tree.iter_subtrees():
+        if node.data == "member_dot_arg" and len(node.children) >= 3:  # x.exists(v, ...): v is bound
+            args = node.children[2]
+            first = args.children[0] if isinstance(args, Tree) and args.children else None
+            for sub in first.iter_subtrees() if isinstance(first, Tree) else []:
+                if sub.data == "ident":
+                    bound.update(str(t) for t in sub.children if isinstance(t, Token))
+        if node.data == "primary":
+            for child in node.children:
+                if isinstance(child, Tree) and child.data == "ident":
+                    found.update(str(t) for t in child.children if isinstance(t, Token))
+    return found - bound
+
+
+@dataclass(frozen=True)
+class CompiledClause:
+    phase: str  # preconditions, params or postconditions
+    clause: Clause
+    program: Any  # celpy Runner
+
+    def evaluate(self, activation: Mapping[str, Any]) -> bool | str:
+        """True or False, or why it could not be evaluated."""
+        try:
+            value = self.program.evaluate(activation)
+        except Exception as exc:  # CELEvalError and anything the runtime raises on odd data
+            return f"{type(exc).__name__}: {_error_text(exc)}"
+        if isinstance(value, celtypes.BoolType | bool):
+            return bool(value)
+        if isinstance(value, Exception):
+            return f"{type(value).__name__}: {_error_text(value)}"
+        return f"evaluated to {type(value).__name__}, not a bool"
+
+
+def _error_text(exc: BaseException) -> str:
+    args = getattr(exc, "args", ())
+    if args and isinstance(args[0], str):
+        detail = args[2] if len(args) > 2 else ()
+        return f"{args[0]} {', '.join(map(str, detail))}".strip() if isinstance(detail, tuple) else args[0]
+    return str(exc)
+
+
+def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]]:
+    """Every clause compiled, and a reason for each that does not compile or reads a variable its phase lacks."""
+    compiled, reasons = [], []
+    for phase, clauses in (("preconditions", contract.preconditions), ("params", contract.params),
+                           ("postconditions", contract.postconditions)):  # fmt: skip
+        for clause in clauses:
+            try:
+                tree = _ENV.compile(clause.expr)
+            except Exception as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                reasons.append(f"{phase} clause {clause.name!r} does not compile: {first}")
+                continue
+            unknown = sorted(_variables(tree) - PHASE_VARIABLES[phase])
+            if unknown:
+                allowed = ", ".join(sorted(PHASE_VARIABLES[phase]))
+                reasons.append(f"{phase} clause {clause.name!r} reads {', '.join(unknown)}; {phase} see only {allowed}")
+                continue
+            compiled.append(CompiledClause(phase, clause, _ENV.program(tree)))
+    return compiled, reasons
+
+
+def node_types_read(contract: Contract) -> set[str]:
+    """Node types the contract names: its `node_types`, and literals compared with a node's `.type`."""
+    found = set(contract.node_types)
+    for clause in contract.clauses():
+        for match in _TYPE_LITERAL.finditer(clause.expr):
+            found.add(match.group(1) or match.group(2))
+    return found
+
+
+def _normal(expr: str) -> str:
+    return "".join(expr.split())
+
+
+def narrowing(old: Contract, new: Contract) -> list[str]:
+    """Why `new` allows fewer actions than `old` (empty when it does not): a precondition or parameter constraint
+    added or changed, or the tool changed. An agent or policy trained on `old`'s action mask would find actions
+    refused that were allowed; removing clauses and changing postconditions are fine."""
+    reasons = []
+    if old.tool != new.tool:
+        reasons.append(f"tool changed from {old.tool!r} to {new.tool!r}")
+    for phase in ("preconditions", "params"):
+        before = {_normal(c.expr) for c in getattr(old, phase)}
+        for clause in getattr(new, phase):
+            if _normal(clause.expr) not in before:
+                reasons.append(f"{phase} clause {clause.name!r} is new or changed: it narrows version {old.version}")
+    return reasons
+
+
+def registration_problems(contract: Contract, known_node_types: Iterable[str], previous: Contract | None) -> list[str]:
+    """Every reason to refuse registering `contract` (empty: it may be registered)."""
+    _, reasons = compile_clauses(contract)
+    known = set(known_node_types) | AUTO_NODE_TYPES
+    unknown = sorted(node_types_read(contract) - known)
+    if unknown:
+        reasons.append(f"unknown node type(s) {', '.join(unknown)} (registered: {', '.join(sorted(known))})")
+    if not contract.clauses():
+        reasons.append("no clauses: a contract needs at least one precondition, parameter constraint or postcondition")
+    if previous is not None:
+        reasons += narrowing(previous, contract)
+    return reasons
+
+
+# -- the views --------------------------------------------------------------------------------------------------------
+
+Nodes = Mapping[str, tuple[str, Any]]  # node id -> (type, data)
+
+
+def state_view(version: str, nodes: Nodes) -> dict[str, Any]:
+    """The `state`/`before` variable: the version id and the world's nodes (auto nodes left out)."""
+    return {
+        "version": version,
+        "nodes": {nid: {"id": nid, "type": t, "data": d} for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES},
+    }
+
+
+def result_view(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The `result` variable from a tool result (its record or its state node's data)."""
+    output = result.get("output") or ""
+    try:
+        parsed = orjson.loads(output) if output else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    return {
+        "status": result.get("status", ""),
+        "output": output,
+        "error": result.get("error"),
+        "latency_ms": float(result.get("latency_ms") or 0.0),
+        "json": parsed,
+    }
+
+
+def to_cel(value: Any) -> Any:
+    return celpy.json_to_cel(value)
+
+
+# -- checking ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One contract's outcome in one phase of one step."""
+
+    contract: str
+    version: int
+    tool: str
+    phase: Phase
+    outcome: Outcome
+    clause: str | None  # the first violated (else not evaluable) clause
+    failed: tuple[str, ...]  # every violated or not evaluable clause
+    reason: str | None  # why the first failed clause was not evaluable (None when violated or passed)
+    values: dict[str, Any]  # what the clauses saw that matters: params, the nodes they name, the result
+
+    @property
+    def values_json(self) -> str:
+        return orjson.dumps(self.values, option=orjson.OPT_SORT_KEYS).decode()
+
+
+class CompiledContract:
+    """A contract ready to evaluate; build it once per version."""
+
+    def __init__(self, contract: Contract) -> None:
+        clauses, reasons = compile_clauses(contract)
+        if reasons:
+            raise ContractError(contract.name, reasons)
+        self.contract = contract
+        self.pre = [c for c in clauses if c.phase != "postconditions"]
+        self.post = [c for c in clauses if c.phase == "postconditions"]
+
+    def available(self, state: Any) -> bool:
+        """Whether every precondition holds in `state` (a CEL value of state_view): the action mask."""
+        return all(c.evaluate({"state": state}) is True for c in self.pre if c.phase == "preconditions")
+
+    def check(self, phase: Phase, activation: Mapping[str, Any], values: dict[str, Any]) -> Check | None:
+        """The outcome of `phase`'s clauses over `activation` (CEL values), None when the phase has no clause."""
+        clauses = self.pre if phase is Phase.PRE else self.post
+        if not clauses:
+            return None
+        violated, broken = [], []
+        for compiled in clauses:
+            result = compiled.evaluate(activation)
+            if result is False:
+                violated.append(compiled.clause.name)
+            elif result is not True:
+                broken.append((compiled.clause.name, result))
+        c = self.contract
+        if violated:
+            failed = (*violated, *(name for name, _ in broken))
+            return Check(c.name, c.version, c.tool, phase, Outcome.VIOLATED, violated[0], failed, None, values)
+        if broken:
+            names = tuple(name for name, _ in broken)
+            return Check(c.name, c.version, c.tool, phase, Outcome.NOT_EVALUABLE, names[0], names, broken[0][1], values)
+        return Check(c.name, c.version, c.tool, phase, Outcome.PASSED, None, (), None, values)
+
+
+def seen_values(
+    params: Any,
+    state: Mapping[str, Any],
+    before: Mapping[str, Any] | None = None,
+    result: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The values a check row keeps: the params, the state nodes whose ids are param values (before and after), the
+    state versions, and the result (output cut to a few hundred characters)."""
+    ids = {v for v in (params.values() if isinstance(params, dict) else ()) if isinstance(v, str)}
+    values: dict[str, Any] = {"params": params, "state_version": state.get("version")}
+    values["nodes"] = {i: state["nodes"].get(i) for i in sorted(ids) if i in state["nodes"] or before is not None}
+    if before is not None:
+        values["before_version"] = before.get("version")
+        values["before_nodes"] = {i: before["nodes"].get(i) for i in sorted(ids)}
+    if result is not None:
+        output = result.get("output") or ""
+        values["result"] = {"status": result.get("status"), "error": result.get("error"),
+                            "output": output[:_MAX_SEEN_CHARS]}  # fmt: skip
+    return values
+
+
+def check_pre(contracts: Sequence[CompiledContract], version: str, nodes: Nodes, params: Any) -> list[Check]:
+    """Every contract's preconditions and parameter constraints at a dispatch, over the state it acted on."""
+    state = state_view(version, nodes)
+    activation = {"state": to_cel(state), "params": to_cel(params)}
+    values = seen_values(params, state)
+    return [c for contract in contracts if (c := contract.check(Phase.PRE, activation, values)) is not None]
+
+
+def check_post(
+    contracts: Sequence[CompiledContract],
+    before: tuple[str, Nodes] | None,
+    after: tuple[str, Nodes],
+    params: Any,
+    result: Mapping[str, Any],
+) -> list[Check]:
+    """Every contract's postconditions at a tool result: `before` is the state at the dispatch (None when unknown:
+    clauses that read it are then not evaluable), `after` the state at the result."""
+    state = state_view(*after)
+    prior = state_view(*before) if before is not None else None
+    view = result_view(result)
+    activation = {"state": to_cel(state), "params": to_cel(params), "result": to_cel(view)}
+    if prior is not None:
+        activation["before"] = to_cel(prior)
+    values = seen_values(params, state, prior, view)
+    return [c for contract in contracts if (c := contract.check(Phase.POST, activation, values)) is not None]
+
+
+def available_actions(contracts: Iterable[CompiledContract], version: str, nodes: Nodes) -> list[str]:
+    """The tools whose every contract's preconditions hold in this state (sorted): the action mask. A tool with no
+    contract is not listed (nothing is known about it); a precondition that cannot be evaluated masks the tool."""
+    state = to_cel(state_view(version, nodes))
+    by_tool: dict[str, bool] = {}
+    for contract in contracts:
+        tool = contract.contract.tool
+        by_tool[tool] = by_tool.get(tool, True) and contract.available(state)
+    return sorted(tool for tool, ok in by_tool.items() if ok)
+
+
+def effective(contracts: Iterable[Contract], at_us: int) -> list[Contract]:
+    """Per contract name, the newest version effective at event time `at_us` (sorted by name)."""
+    chosen: dict[str, Contract] = {}
+    for contract in contracts:
+        if contract.effective_from_us <= at_us:
+            known = chosen.get(contract.name)
+            if known is None or contract.version > known.version:
+                chosen[contract.name] = contract
+    return [chosen[name] for name in sorted(chosen)]
