@@ -217,31 +217,39 @@ def test_effective_picks_the_newest_version_effective_at_the_event_time() -> Non
 T0 = 1_760_000_000_000_000
 
 
-def envelope(seq: int, lid: str | None = None) -> dict[str, Any]:
-    eid = f"e{seq:04d}"
-    return {"event_id": eid, "session_id": "s", "agent_id": "a", "episode_id": "ep", "logical_event_id": lid or eid,
+def envelope(seq: int, lid: str | None = None, session: str = "s") -> dict[str, Any]:
+    eid = f"{session}-e{seq:04d}"
+    return {"event_id": eid, "session_id": session, "agent_id": "a", "episode_id": "ep", "logical_event_id": lid or eid,
             "seq": seq, "event_time": T0 + seq, "policy_version": "", "trace_id": "", "attributes": {}}  # fmt: skip
 
 
-def delta_record(seq: int, upserts: dict[str, str], deletes: tuple[str, ...] = (), lid: str | None = None) -> dict:
+def delta_record(
+    seq: int, upserts: dict[str, str], deletes: tuple[str, ...] = (), lid: str | None = None, session: str = "s"
+) -> dict:
     ups = [{"id": k, "type": "file", "data_json": orjson.dumps({"hash": h}).decode(), "ttl_seconds": None}
            for k, h in upserts.items()]  # fmt: skip
-    return {"envelope": envelope(seq, lid), "node_upserts": ups, "node_deletes": list(deletes), "edge_upserts": [],
+    return {"envelope": envelope(seq, lid, session), "node_upserts": ups, "node_deletes": list(deletes), "edge_upserts": [],
             "edge_deletes": [], "rollback_to": None}  # fmt: skip
 
 
-def dispatch_record(seq: int, lid: str, path: str) -> dict:
+def dispatch_record(seq: int, lid: str, path: str, session: str = "s") -> dict:
     params = orjson.dumps({"path": path}).decode()
-    return {"envelope": envelope(seq, lid), "step": seq, "tool": "write_file", "params_json": params, "deadline": None}
+    return {
+        "envelope": envelope(seq, lid, session),
+        "step": seq,
+        "tool": "write_file",
+        "params_json": params,
+        "deadline": None,
+    }
 
 
-def result_record(seq: int, lid: str, status: str = "OK") -> dict:
-    return {"envelope": envelope(seq, lid), "tool": "write_file", "status": status, "output": "", "error": None,
+def result_record(seq: int, lid: str, status: str = "OK", session: str = "s") -> dict:
+    return {"envelope": envelope(seq, lid, session), "tool": "write_file", "status": status, "output": "", "error": None,
             "latency_ms": 1.0, "cost_usd": 0.0, "tokens_in": 0, "tokens_out": 0, "retries": 0}  # fmt: skip
 
 
 def versions_of(events: list[tuple[str, dict]]) -> list[dict]:
-    fold_, state, store = StateFold(), SessionState("s"), MemoryStore()
+    fold_, state, store = StateFold(), SessionState(events[0][1]["envelope"]["session_id"]), MemoryStore()
     return [fold_.apply(state, store, schema, record) for schema, record in events]
 
 
@@ -249,20 +257,22 @@ STEP_KINDS = st.lists(st.sampled_from(["write_existing", "write_missing", "write
                       min_size=1, max_size=8)  # fmt: skip
 
 
-def workload(kinds: list[str]) -> list[tuple[str, dict]]:
-    events, seq = [(STATE_DELTA, delta_record(0, {"a.txt": "h0"}))], 1
+def workload(kinds: list[str], session: str = "s") -> list[tuple[str, dict]]:
+    """A file-editing session: a.txt exists, then per kind a write to it (its hash changes, or not), a write to a
+    missing file, another file touched, or a.txt deleted. Steps are `<session>-step<i>`."""
+    events, seq = [(STATE_DELTA, delta_record(0, {"a.txt": "h0"}, session=session))], 1
     for i, kind in enumerate(kinds):
-        lid = f"step{i}"
+        lid = f"{session}-step{i}"
         if kind == "touch":
-            events.append((STATE_DELTA, delta_record(seq, {f"f{i}": "x"})))
+            events.append((STATE_DELTA, delta_record(seq, {f"f{i}": "x"}, session=session)))
         elif kind == "drop":
-            events.append((STATE_DELTA, delta_record(seq, {}, ("a.txt",))))
+            events.append((STATE_DELTA, delta_record(seq, {}, ("a.txt",), session=session)))
         else:
             path = "missing.txt" if kind == "write_missing" else "a.txt"
-            events.append((DISPATCH, dispatch_record(seq, lid, path)))
+            events.append((DISPATCH, dispatch_record(seq, lid, path, session)))
             if kind == "write_existing":
-                events.append((STATE_DELTA, delta_record(seq + 1, {"a.txt": f"h{seq}"}, lid=lid)))
-            events.append((TOOL_RESULT, result_record(seq + 2, lid)))
+                events.append((STATE_DELTA, delta_record(seq + 1, {"a.txt": f"h{seq}"}, lid=lid, session=session)))
+            events.append((TOOL_RESULT, result_record(seq + 2, lid, session=session)))
         seq += 3
     return events
 
@@ -286,12 +296,12 @@ def test_the_fold_checks_pre_at_the_dispatch_and_post_at_the_result_with_the_ste
     records = [r for r in run_fold(versions, book) if "check_id" in r]
     outcomes = [(r["logical_event_id"], r["phase"], r["outcome"], r["clause"]) for r in records]
     assert outcomes == [
-        ("step0", "pre", "passed", None),
-        ("step0", "post", "passed", None),
-        ("step1", "pre", "violated", "file_exists"),
-        ("step1", "post", "not_evaluable", "hash_changed"),
-        ("step2", "pre", "passed", None),
-        ("step2", "post", "violated", "hash_changed"),
+        ("s-step0", "pre", "passed", None),
+        ("s-step0", "post", "passed", None),
+        ("s-step1", "pre", "violated", "file_exists"),
+        ("s-step1", "post", "not_evaluable", "hash_changed"),
+        ("s-step2", "pre", "passed", None),
+        ("s-step2", "post", "violated", "hash_changed"),
     ]
     pre = records[0]
     assert pre["state_version_id"] == versions[1]["parent_id"] and pre["contract_version"] == 1
@@ -327,7 +337,7 @@ def test_the_contract_signal_is_minus_one_on_a_violation_and_plus_one_when_all_p
         (SOURCE, "post", 1.0),
     ]
     assert "violated: file_exists" in signals[0]["evidence"]
-    assert signals[0]["envelope"]["logical_event_id"] == "step0"
+    assert signals[0]["envelope"]["logical_event_id"] == "s-step0"
 
 
 def test_every_record_is_one_the_worker_accepts_and_the_sink_maps() -> None:
