@@ -156,6 +156,9 @@ def test_violations_land_with_clause_and_values_a_veto_and_provenance(deployment
         # The action mask: nothing at genesis, write_file once a.txt exists.
         assert mask(asyncio.run(_contracts(deployment)), state_at(deployment, session, 0)) == []
         assert mask(asyncio.run(_contracts(deployment)), state_at(deployment, session, 1)) == ["write_file"]
+        shown = runner.invoke(app, ["contracts", "available", session, "--at", "1"], env=env)
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["available"] == ["write_file"]
     finally:
         worker.stop()
 
@@ -212,3 +215,38 @@ def test_kill_9_mid_stream_gives_the_same_check_rows(deployment: Settings) -> No
         assert rows("contract_checks") == expected  # no stray row from a replay that decided differently
     finally:
         worker.stop()
+
+
+def test_the_cli_registers_lists_shows_and_refuses_with_every_reason(deployment: Settings, tmp_path: Path) -> None:
+    runner, env = CliRunner(), {**deployment.to_env(), "COLUMNS": "200"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tool: edit\nnode_types: [folder]\npreconditions: ['state.nodes[', 'params.path == \"a\"']\n")
+    refused = runner.invoke(app, ["contracts", "register", str(bad)], env=env)
+    assert refused.exit_code == 1
+    assert "error: contract 'edit' refused:" in refused.stderr
+    assert "does not compile" in refused.stderr and "reads params" in refused.stderr
+    assert "unknown node type(s) folder" in refused.stderr
+
+    unchanged = runner.invoke(app, ["contracts", "register", str(tmp_path / "none.yaml")], env=env)
+    assert unchanged.exit_code == 1 and unchanged.stderr.startswith("error:")  # a missing file: one line
+
+    same = tmp_path / "write_file.yaml"
+    same.write_text(WRITE_FILE)
+    again = runner.invoke(app, ["contracts", "register", str(same)], env=env)
+    assert again.exit_code == 0 and "unchanged" in again.stdout  # the fixture registered it as version 1
+
+    wider = tmp_path / "wider.yaml"
+    kept = [line for line in WRITE_FILE.splitlines(keepends=True) if not line.startswith("params:")]
+    wider.write_text("".join(line for line in kept if "file_exists" not in line))  # a constraint dropped: wider
+    widened = runner.invoke(app, ["contracts", "register", str(wider)], env=env)
+    assert widened.exit_code == 0 and "version 2" in widened.stdout, widened.output
+
+    narrower = tmp_path / "narrower.yaml"
+    narrower.write_text(WRITE_FILE.replace("preconditions:\n", "preconditions:\n  - few: 'size(state.nodes) < 9'\n"))
+    narrowed = runner.invoke(app, ["contracts", "register", str(narrower)], env=env)
+    assert narrowed.exit_code == 1 and "narrows version 2" in narrowed.stderr
+
+    listed = runner.invoke(app, ["contracts", "list", "--json"], env=env)
+    assert [json.loads(line)["version"] for line in listed.stdout.splitlines()] == [1, 2]
+    shown = runner.invoke(app, ["contracts", "show", "write_file", "--version", "1"], env=env)
+    assert json.loads(shown.stdout)["params"][0]["name"] == "file_exists"
