@@ -228,8 +228,8 @@ def delta_record(
 ) -> dict:
     ups = [{"id": k, "type": "file", "data_json": orjson.dumps({"hash": h}).decode(), "ttl_seconds": None}
            for k, h in upserts.items()]  # fmt: skip
-    return {"envelope": envelope(seq, lid, session), "node_upserts": ups, "node_deletes": list(deletes), "edge_upserts": [],
-            "edge_deletes": [], "rollback_to": None}  # fmt: skip
+    return {"envelope": envelope(seq, lid, session), "node_upserts": ups, "node_deletes": list(deletes),
+            "edge_upserts": [], "edge_deletes": [], "rollback_to": None}  # fmt: skip
 
 
 def dispatch_record(seq: int, lid: str, path: str, session: str = "s") -> dict:
@@ -244,8 +244,9 @@ def dispatch_record(seq: int, lid: str, path: str, session: str = "s") -> dict:
 
 
 def result_record(seq: int, lid: str, status: str = "OK", session: str = "s") -> dict:
-    return {"envelope": envelope(seq, lid, session), "tool": "write_file", "status": status, "output": "", "error": None,
-            "latency_ms": 1.0, "cost_usd": 0.0, "tokens_in": 0, "tokens_out": 0, "retries": 0}  # fmt: skip
+    costs = {"latency_ms": 1.0, "cost_usd": 0.0, "tokens_in": 0, "tokens_out": 0, "retries": 0}
+    return {"envelope": envelope(seq, lid, session), "tool": "write_file", "status": status, "output": "",
+            "error": None, **costs}  # fmt: skip
 
 
 def versions_of(events: list[tuple[str, dict]]) -> list[dict]:
