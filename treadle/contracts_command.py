@@ -123,10 +123,17 @@ def register(
     record = asyncio.run(registry(Settings.from_env()).register(contract))
     if record is None:
         console.print(f"contract {contract.name} is unchanged (this is its latest version)")
-    else:
-        console.print(
-            f"registered contract {record.name} version {record.version} for tool {record.tool}, "
-            f"effective from {_iso(record.effective_from_us)}"
+        return
+    console.print(
+        f"registered contract {record.name} version {record.version} for tool {record.tool}, "
+        f"effective from {_iso(record.effective_from_us)}"
+    )
+    if record.effective_from_us < (datetime.now(UTC).timestamp() + 5) * 1_000_000:
+        err.print(
+            "note: it is effective already; running workers load it within 5 s, so steps dispatched meanwhile are "
+            "checked without it, and with it if they are replayed. Register with --effective-from +30s to avoid that.",
+            highlight=False,
+            soft_wrap=True,
         )
 
 

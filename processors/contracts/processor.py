@@ -75,6 +75,10 @@ class ContractsProcessor:
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.app = app
+        if "state" not in settings.processors:
+            log.warning("the contracts processor checks steps against the state graph's versions, but the state "
+                        "processor is not enabled: only step evidence will be written. Set "
+                        "TREADLE_PROCESSORS=steps,state,contracts")  # fmt: skip
         self.sessions = table_writes.bytes_table(
             app, f"{self.name}-sessions", settings, help="Contract fold state per session (orjson)."
         )
