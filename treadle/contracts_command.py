@@ -51,9 +51,14 @@ def _one_line(fn: F) -> F:
 
         from sinks.clickhouse import ClickHouseUnavailableError
         from sinks.sql_client import QueryFailedError
-        from topics.contracts import ContractError
         from treadle.reports.eval_report import ReportError
         from treadle.state.history import StateNotFoundError
+
+        try:
+            from topics.contracts import ContractError
+        except ModuleNotFoundError as exc:  # cel-python comes with the worker extra
+            err.print(f"[red]error:[/red] contracts need {exc.name}: pip install 'treadle[worker]'", highlight=False)
+            raise typer.Exit(1) from None
 
         try:
             return fn(*args, **kwargs)
