@@ -175,6 +175,7 @@ class CompiledClause:
     phase: str  # preconditions, params or postconditions
     clause: Clause
     program: Any  # celpy Runner
+    variables: frozenset[str]  # the variables it reads
 
     def evaluate(self, activation: Mapping[str, Any]) -> bool | str:
         """True or False, or why it could not be evaluated."""
@@ -214,7 +215,7 @@ def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]
                 allowed = ", ".join(sorted(PHASE_VARIABLES[phase]))
                 reasons.append(f"{phase} clause {clause.name!r} reads {', '.join(unknown)}; {phase} see only {allowed}")
                 continue
-            compiled.append(CompiledClause(phase, clause, _ENV.program(tree)))
+            compiled.append(CompiledClause(phase, clause, _ENV.program(tree), frozenset(_variables(tree))))
     return compiled, reasons
 
 
@@ -325,6 +326,7 @@ class CompiledContract:
         self.contract = contract
         self.pre = [c for c in clauses if c.phase != "postconditions"]
         self.post = [c for c in clauses if c.phase == "postconditions"]
+        self.reads_before = any("before" in c.variables for c in self.post)  # needs the state at the dispatch kept
 
     def available(self, state: Any) -> bool:
         """Whether every precondition holds in `state` (a CEL value of state_view): the action mask."""

@@ -131,9 +131,10 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
         action = _node_data(version, f"action:{lid}") or {}
         params = action.get("params", {})
         if any(c.post for c in contracts):
+            keep = any(c.reads_before for c in contracts)  # else `before` is not worth a copy of the world
             session.pending[lid] = {
                 "tool": tool, "params": params, "version": before_version,
-                "nodes": {k: list(v) for k, v in before_nodes.items()},
+                "nodes": {k: list(v) for k, v in before_nodes.items()} if keep else None,
                 "contracts": [[c.contract.name, c.contract.version] for c in contracts if c.post],
             }  # fmt: skip
             while len(session.pending) > _MAX_PENDING:
@@ -148,7 +149,8 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
         return None  # no dispatch was checked for this step (no contract, or it came before this processor)
     result = _node_data(version, f"result:{lid}") or {}
     contracts = book.versions((name, v) for name, v in pending["contracts"])
-    before = (pending["version"], {k: (t, d) for k, (t, d) in pending["nodes"].items()})
+    kept = pending["nodes"]
+    before = (pending["version"], {k: (t, d) for k, (t, d) in kept.items()}) if kept is not None else None
     checks = check_post(contracts, before, (session.version, session.nodes), pending["params"], result)
     return Checked(version, Phase.POST, version.get("step"), tool, session.version, checks)
 

@@ -362,3 +362,15 @@ def test_the_processor_hashes_each_dispatch_and_result_as_received() -> None:
     assert first["attributes"] == {"host": "h1"} and first["tool"] == "write_file"
     [(table, row)] = rows_for("step_evidence", first)
     assert table == "step_evidence" and tuple(row) == TABLE_COLUMNS["step_evidence"]
+
+
+def test_the_world_at_a_dispatch_is_kept_only_for_postconditions_that_read_before() -> None:
+    versions = versions_of(workload(["write_existing"]))
+    only_result = write_file(postconditions=[{"succeeded": 'result.status == "OK"'}])
+    for contract, kept in ((write_file(), True), (only_result, False)):
+        session, book = SessionContracts(), ContractBook([contract])
+        for version in versions[:2]:  # the first delta and the dispatch
+            fold(session, version, book)
+        assert (session.pending["s-step0"]["nodes"] is not None) is kept
+        checked = [fold(session, v, book) for v in versions[2:]]
+        assert [c.checks[0].outcome for c in checked if c is not None] == [Outcome.PASSED]
