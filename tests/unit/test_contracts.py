@@ -22,6 +22,7 @@ from processors.contracts.processor import ContractsProcessor
 from processors.state.graph import MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
 from topics.contracts import (
+    Clause,
     CompiledContract,
     Contract,
     ContractError,
@@ -366,7 +367,7 @@ def test_the_processor_hashes_each_dispatch_and_result_as_received() -> None:
 
 def test_the_world_at_a_dispatch_is_kept_only_for_postconditions_that_read_before() -> None:
     versions = versions_of(workload(["write_existing"]))
-    only_result = write_file(postconditions=[{"succeeded": 'result.status == "OK"'}])
+    only_result = write_file(postconditions=(Clause(name="succeeded", expr="result.status == 'OK'"),))
     for contract, kept in ((write_file(), True), (only_result, False)):
         session, book = SessionContracts(), ContractBook([contract])
         for version in versions[:2]:  # the first delta and the dispatch
