@@ -1,7 +1,7 @@
 """Action contracts as data: preconditions, parameter constraints and postconditions in CEL, and their evaluation.
 
-A contract names a tool and holds three lists of clauses, each a CEL expression (cel-python; never Python eval)
-that must evaluate to a bool:
+A contract names a tool and holds three lists of clauses, each a CEL expression (the cel-rust engine, through its
+`common-expression-language` binding; never Python eval) that must evaluate to a bool:
 
 - `preconditions` see `state` (the session's state graph at the dispatch: the version the agent acted on);
 - `params` (parameter constraints) see `state` and `params` (the dispatch's parameters);
@@ -12,21 +12,20 @@ The state views hold the world the agent reasons about: `{"version": id, "nodes"
 "data"}}}`, without the state graph's own per-step nodes (types `action` and `tool_result`).
 
 This module is pure: compiling, binding the views and evaluating are functions of their arguments, so a replay
-evaluates to the same outcome. Registration (the topic, node types) lives in the contract registry module.
+evaluates to the same outcome (comprehension macros iterate a map's keys sorted: see ordered_source). Registration
+(the topic, node types) lives in the contract registry module.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import celpy
+import cel
 import orjson
-from celpy import celtypes
-from lark import Token, Tree
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AUTO_NODE_TYPES = frozenset({"action", "tool_result"})  # the state graph's per-step nodes, left out of the views
@@ -149,53 +148,89 @@ def load_contract(text: str, source: str = "<contract>") -> Contract:
 
 # -- compiling --------------------------------------------------------------------------------------------------------
 
-_ENV = celpy.Environment()
+_MACRO_CALL = re.compile(r"\.\s*(all|exists_one|exists|map|filter)\s*\(")
+_MACRO_BOUND = re.compile(r"\.\s*(?:all|exists_one|exists|map|filter)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
+ORDERED = "treadle_ordered"  # the function put before each comprehension macro: a map's keys, sorted
 
 
-def _variables(tree: Tree) -> set[str]:
-    """Identifiers an expression reads as variables (not fields, not macro-bound names, not function names)."""
-    bound: set[str] = set()
-    found: set[str] = set()
-    for node in tree.iter_subtrees():
-        if node.data == "member_dot_arg" and len(node.children) >= 3:  # x.exists(v, ...): v is bound
-            args = node.children[2]
-            first = args.children[0] if isinstance(args, Tree) and args.children else None
-            for sub in first.iter_subtrees() if isinstance(first, Tree) else []:
-                if sub.data == "ident":
-                    bound.update(str(t) for t in sub.children if isinstance(t, Token))
-        if node.data == "primary":
-            for child in node.children:
-                if isinstance(child, Tree) and child.data == "ident":
-                    found.update(str(t) for t in child.children if isinstance(t, Token))
-    return found - bound
+def _code_spans(expr: str) -> list[tuple[bool, str]]:
+    """`expr` cut into code and non-code (string and bytes literals, comments), in order, as (is_code, text)."""
+    spans: list[tuple[bool, str]] = []
+    i, start, n = 0, 0, len(expr)
+    while i < n:
+        ch = expr[i]
+        if ch == "/" and expr.startswith("//", i):
+            end = expr.find("\n", i)
+            end = n if end < 0 else end
+        elif ch in "'\"":
+            k = i
+            while k > start and i - k < 2 and expr[k - 1] in "rRbB":
+                k -= 1
+            raw = "r" in expr[k:i].lower() and not (k > 0 and (expr[k - 1].isalnum() or expr[k - 1] == "_"))
+            quote = ch * 3 if expr.startswith(ch * 3, i) else ch
+            j = i + len(quote)
+            while j < n and not expr.startswith(quote, j):
+                j += 2 if expr[j] == "\\" and not raw else 1
+            end = min(j + len(quote), n)
+        else:
+            i += 1
+            continue
+        spans += [(True, expr[start:i]), (False, expr[i:end])]
+        i = start = end
+    spans.append((True, expr[start:]))
+    return [(code, text) for code, text in spans if text]
+
+
+def ordered_source(expr: str) -> str:
+    """`expr` with each comprehension macro's range put in a fixed order: `m.exists(k, p)` becomes
+    `m.treadle_ordered().exists(k, p)`, which iterates a map's keys sorted (a list stays as it is). The engine keeps
+    maps in hash order, which changes from process to process: without this, `map`/`filter` results and which
+    element an `all`/`exists` stops at (a failing one, or the one that decides) would differ between replays."""
+    return "".join(_MACRO_CALL.sub(lambda m: f".{ORDERED}()" + m.group(0), text) if code else text
+                   for code, text in _code_spans(expr))  # fmt: skip
+
+
+def _sort_key(key: Any) -> tuple[str, Any]:
+    return type(key).__name__, key
+
+
+def ordered(value: Any) -> Any:
+    """A map's keys, sorted (by type, then value); anything else as it is."""
+    return sorted(value, key=_sort_key) if isinstance(value, dict) else value
+
+
+_FUNCTIONS = {ORDERED: ordered}
 
 
 @dataclass(frozen=True)
 class CompiledClause:
     phase: str  # preconditions, params or postconditions
     clause: Clause
-    program: Any  # celpy Runner
+    program: Any  # cel.Program, compiled once
     variables: frozenset[str]  # the variables it reads
+    uses_ordered: bool  # it calls ORDERED (it has a comprehension macro)
 
-    def evaluate(self, activation: Mapping[str, Any]) -> bool | str:
-        """True or False, or why it could not be evaluated."""
+    def evaluate(self, context: Any) -> bool | str:
+        """True or False, or why it could not be evaluated, in a cel.Context (see bind)."""
         try:
-            value = self.program.evaluate(activation)
-        except Exception as exc:  # CELEvalError and anything the runtime raises on odd data
-            return f"{type(exc).__name__}: {_error_text(exc)}"
-        if isinstance(value, celtypes.BoolType | bool):
-            return bool(value)
-        if isinstance(value, Exception):
-            return f"{type(value).__name__}: {_error_text(value)}"
+            value = self.program.execute(context)
+        except KeyError as exc:  # a missing map key or field
+            return f"no such key: {exc.args[0] if exc.args else ''}"
+        except Exception as exc:  # no such overload, an undefined variable or function, overflow, a bad regex...
+            return f"{type(exc).__name__}: {_first_sentence(str(exc))}"
+        if isinstance(value, bool):
+            return value
         return f"evaluated to {type(value).__name__}, not a bool"
 
 
-def _error_text(exc: BaseException) -> str:
-    args = getattr(exc, "args", ())
-    if args and isinstance(args[0], str):
-        detail = args[2] if len(args) > 2 else ()
-        return f"{args[0]} {', '.join(map(str, detail))}".strip() if isinstance(detail, tuple) else args[0]
-    return str(exc)
+def _first_sentence(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line.split(". ", 1)[0][:200]
+
+
+def _bound_names(expr: str) -> set[str]:
+    """Names a comprehension macro binds (`k` in `m.exists(k, ...)`): not free variables."""
+    return {m.group(1) for code, text in _code_spans(expr) if code for m in _MACRO_BOUND.finditer(text)}
 
 
 def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]]:
@@ -205,18 +240,32 @@ def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]
                            ("postconditions", contract.postconditions)):  # fmt: skip
         for clause in clauses:
             try:
-                tree = _ENV.compile(clause.expr)
+                program = cel.compile(clause.expr)
             except Exception as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 reasons.append(f"{phase} clause {clause.name!r} does not compile: {first}")
                 continue
-            unknown = sorted(_variables(tree) - PHASE_VARIABLES[phase])
+            variables = set(program.variables()) - _bound_names(clause.expr)
+            unknown = sorted(variables - PHASE_VARIABLES[phase])
             if unknown:
                 allowed = ", ".join(sorted(PHASE_VARIABLES[phase]))
                 reasons.append(f"{phase} clause {clause.name!r} reads {', '.join(unknown)}; {phase} see only {allowed}")
                 continue
-            compiled.append(CompiledClause(phase, clause, _ENV.program(tree), frozenset(_variables(tree))))
+            source = ordered_source(clause.expr)
+            if source != clause.expr:
+                program = cel.compile(source)
+            compiled.append(CompiledClause(phase, clause, program, frozenset(variables), source != clause.expr))
     return compiled, reasons
+
+
+def bind(clauses: Iterable[CompiledClause], views: Mapping[str, Callable[[], Any]]) -> Any:
+    """One cel.Context for evaluating `clauses`: each variable they read converted once (the conversion costs more
+    than most evaluations), from `views` (variable -> a function that makes its Python value); a variable without a
+    view is left out, so a clause reading it is not evaluable."""
+    clauses = list(clauses)
+    names = set().union(*(c.variables for c in clauses))
+    variables = {name: views[name]() for name in sorted(names) if name in views}
+    return cel.Context(variables, _FUNCTIONS if any(c.uses_ordered for c in clauses) else None)
 
 
 def node_types_read(contract: Contract) -> set[str]:
@@ -266,11 +315,15 @@ def registration_problems(contract: Contract, known_node_types: Iterable[str], p
 Nodes = Mapping[str, tuple[str, Any]]  # node id -> (type, data)
 
 
+def node_view(node_id: str, node_type: str, data: Any) -> dict[str, Any]:
+    return {"id": node_id, "type": node_type, "data": data}
+
+
 def state_view(version: str, nodes: Nodes) -> dict[str, Any]:
     """The `state`/`before` variable: the version id and the world's nodes (auto nodes left out)."""
     return {
         "version": version,
-        "nodes": {nid: {"id": nid, "type": t, "data": d} for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES},
+        "nodes": {nid: node_view(nid, t, d) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES},
     }
 
 
@@ -288,10 +341,6 @@ def result_view(result: Mapping[str, Any]) -> dict[str, Any]:
         "latency_ms": float(result.get("latency_ms") or 0.0),
         "json": parsed,
     }
-
-
-def to_cel(value: Any) -> Any:
-    return celpy.json_to_cel(value)
 
 
 # -- checking ---------------------------------------------------------------------------------------------------------
@@ -326,20 +375,25 @@ class CompiledContract:
         self.contract = contract
         self.pre = [c for c in clauses if c.phase != "postconditions"]
         self.post = [c for c in clauses if c.phase == "postconditions"]
+        self.preconditions = [c for c in clauses if c.phase == "preconditions"]
         self.reads_before = any("before" in c.variables for c in self.post)  # needs the state at the dispatch kept
 
-    def available(self, state: Any) -> bool:
-        """Whether every precondition holds in `state` (a CEL value of state_view): the action mask."""
-        return all(c.evaluate({"state": state}) is True for c in self.pre if c.phase == "preconditions")
+    def available(self, context: Any) -> bool:
+        """Whether every precondition holds (`context` binds `state`, see bind): the action mask."""
+        return all(c.evaluate(context) is True for c in self.preconditions)
 
-    def check(self, phase: Phase, activation: Mapping[str, Any], values: dict[str, Any]) -> Check | None:
-        """The outcome of `phase`'s clauses over `activation` (CEL values), None when the phase has no clause."""
+    def check(self, phase: Phase, context: Any, values: dict[str, Any], unknown: str = "") -> Check | None:
+        """The outcome of `phase`'s clauses in `context` (see bind), None when the phase has no clause. A clause
+        reading the variable named `unknown` is not evaluable without being run."""
         clauses = self.pre if phase is Phase.PRE else self.post
         if not clauses:
             return None
         violated, broken = [], []
         for compiled in clauses:
-            result = compiled.evaluate(activation)
+            if unknown and unknown in compiled.variables:
+                result: bool | str = f"{unknown} is not known for this step"
+            else:
+                result = compiled.evaluate(context)
             if result is False:
                 violated.append(compiled.clause.name)
             elif result is not True:
@@ -354,20 +408,27 @@ class CompiledContract:
         return Check(c.name, c.version, c.tool, phase, Outcome.PASSED, None, (), None, values)
 
 
+def _named_node(nodes: Nodes, node_id: str) -> dict[str, Any] | None:
+    node = nodes.get(node_id)
+    return node_view(node_id, *node) if node is not None and node[0] not in AUTO_NODE_TYPES else None
+
+
 def seen_values(
     params: Any,
-    state: Mapping[str, Any],
-    before: Mapping[str, Any] | None = None,
+    state: tuple[str, Nodes],
+    before: tuple[str, Nodes] | None = None,
     result: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The values a check row keeps: the params, the state nodes whose ids are param values (before and after), the
     state versions, and the result (output cut to a few hundred characters)."""
-    ids = {v for v in (params.values() if isinstance(params, dict) else ()) if isinstance(v, str)}
-    values: dict[str, Any] = {"params": params, "state_version": state.get("version")}
-    values["nodes"] = {i: state["nodes"].get(i) for i in sorted(ids) if i in state["nodes"] or before is not None}
+    ids = sorted({v for v in (params.values() if isinstance(params, dict) else ()) if isinstance(v, str)})
+    version, nodes = state
+    values: dict[str, Any] = {"params": params, "state_version": version}
+    named = {i: _named_node(nodes, i) for i in ids}
+    values["nodes"] = named if before is not None else {i: n for i, n in named.items() if n is not None}
     if before is not None:
-        values["before_version"] = before.get("version")
-        values["before_nodes"] = {i: before["nodes"].get(i) for i in sorted(ids)}
+        values["before_version"] = before[0]
+        values["before_nodes"] = {i: _named_node(before[1], i) for i in ids}
     if result is not None:
         output = result.get("output") or ""
         values["result"] = {"status": result.get("status"), "error": result.get("error"),
@@ -377,10 +438,12 @@ def seen_values(
 
 def check_pre(contracts: Sequence[CompiledContract], version: str, nodes: Nodes, params: Any) -> list[Check]:
     """Every contract's preconditions and parameter constraints at a dispatch, over the state it acted on."""
-    state = state_view(version, nodes)
-    activation = {"state": to_cel(state), "params": to_cel(params)}
-    values = seen_values(params, state)
-    return [c for contract in contracts if (c := contract.check(Phase.PRE, activation, values)) is not None]
+    clauses = [c for contract in contracts for c in contract.pre]
+    if not clauses:
+        return []
+    context = bind(clauses, {"state": lambda: state_view(version, nodes), "params": lambda: params})
+    values = seen_values(params, (version, nodes))
+    return [c for contract in contracts if (c := contract.check(Phase.PRE, context, values)) is not None]
 
 
 def check_post(
@@ -392,24 +455,30 @@ def check_post(
 ) -> list[Check]:
     """Every contract's postconditions at a tool result: `before` is the state at the dispatch (None when unknown:
     clauses that read it are then not evaluable), `after` the state at the result."""
-    state = state_view(*after)
-    prior = state_view(*before) if before is not None else None
+    clauses = [c for contract in contracts for c in contract.post]
+    if not clauses:
+        return []
     view = result_view(result)
-    activation = {"state": to_cel(state), "params": to_cel(params), "result": to_cel(view)}
-    if prior is not None:
-        activation["before"] = to_cel(prior)
-    values = seen_values(params, state, prior, view)
-    return [c for contract in contracts if (c := contract.check(Phase.POST, activation, values)) is not None]
+    views: dict[str, Callable[[], Any]] = {"state": lambda: state_view(*after), "params": lambda: params,
+                                           "result": lambda: view}  # fmt: skip
+    if before is not None:
+        views["before"] = lambda: state_view(*before)
+    context = bind(clauses, views)
+    values = seen_values(params, after, before, view)
+    unknown = "before" if before is None else ""
+    return [c for contract in contracts if (c := contract.check(Phase.POST, context, values, unknown)) is not None]
 
 
 def available_actions(contracts: Iterable[CompiledContract], version: str, nodes: Nodes) -> list[str]:
     """The tools whose every contract's preconditions hold in this state (sorted): the action mask. A tool with no
     contract is not listed (nothing is known about it); a precondition that cannot be evaluated masks the tool."""
-    state = to_cel(state_view(version, nodes))
+    contracts = list(contracts)
+    context = bind((c for contract in contracts for c in contract.preconditions),
+                   {"state": lambda: state_view(version, nodes)})  # fmt: skip
     by_tool: dict[str, bool] = {}
     for contract in contracts:
         tool = contract.contract.tool
-        by_tool[tool] = by_tool.get(tool, True) and contract.available(state)
+        by_tool[tool] = by_tool.get(tool, True) and contract.available(context)
     return sorted(tool for tool, ok in by_tool.items() if ok)
 
 

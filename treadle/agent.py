@@ -43,7 +43,7 @@ class AgentStream(_ProducingStream):
     async def available_actions(self, at: str | int | datetime | None = None) -> list[str]:
         """The action mask: the tools whose contracts' preconditions hold in the session's state at a version id,
         ordinal or time (default: now), with the contracts effective then (docs/contracts.md)."""
-        from treadle.contracts_command import mask, registry  # needs ClickHouse and cel-python
+        from treadle.contracts_command import mask, registry  # needs ClickHouse and the CEL engine
 
         graph = await self.state_at(at if at is not None else datetime.now(UTC))
         return mask(await registry(self.settings).load(), graph)

@@ -44,7 +44,7 @@ class ProvenanceError(LookupError):
 
 
 class _NoContracts(Exception):
-    """Stands in for ContractError where cel-python is not installed (nothing raises it then)."""
+    """Stands in for ContractError where the CEL engine is not installed (nothing raises it then)."""
 
 
 _ONE_LINE_ERRORS = (
@@ -66,7 +66,7 @@ def _error_classes() -> tuple[type[Exception], tuple[type[BaseException], ...]]:
             continue
     try:
         from topics.contracts import ContractError
-    except ModuleNotFoundError:  # cel-python comes with the worker extra; provenance does without it
+    except ModuleNotFoundError:  # the CEL engine comes with the worker extra; provenance does without it
         return _NoContracts, tuple(found)
     return ContractError, tuple(found)
 

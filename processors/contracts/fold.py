@@ -14,6 +14,7 @@ below the session's last ordinal is a duplicate and is skipped.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class ContractBook:
     def __init__(self, contracts: Iterable[Contract] = ()) -> None:
         self._compiled: dict[tuple[str, int], CompiledContract] = {}
         self._by_tool: dict[str, list[Contract]] = {}
+        self._latest: dict[str, tuple[int, list[CompiledContract]]] = {}  # tool -> (from, contracts then on)
         for contract in contracts:
             self.add(contract)
 
@@ -88,12 +90,21 @@ class ContractBook:
             return
         self._compiled[key] = CompiledContract(contract)
         self._by_tool.setdefault(contract.tool, []).append(contract)
+        self._latest.pop(contract.tool, None)
 
     def __len__(self) -> int:
         return len(self._compiled)
 
     def for_tool(self, tool: str, at_us: int) -> list[CompiledContract]:
-        return [self._compiled[(c.name, c.version)] for c in effective(self._by_tool.get(tool, ()), at_us)]
+        contracts = self._by_tool.get(tool, ())
+        latest = self._latest.get(tool)
+        if latest is not None and at_us >= latest[0]:  # every version is in effect: the newest per name
+            return latest[1]
+        chosen = [self._compiled[(c.name, c.version)] for c in effective(contracts, at_us)]
+        last = max((c.effective_from_us for c in contracts), default=None)
+        if last is not None and at_us >= last:
+            self._latest[tool] = (last, chosen)
+        return chosen
 
     def versions(self, keys: Iterable[tuple[str, int]]) -> list[CompiledContract]:
         return [self._compiled[k] for k in keys if k in self._compiled]
@@ -123,23 +134,24 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
         return None
     lid, tool = version["logical_event_id"], version.get("tool") or ""
     if version["kind"] == "action":
-        before_version, before_nodes = version["parent_id"], dict(session.nodes)
-        apply_changes(session, version)
         contracts = book.for_tool(tool, version["event_time"])
         if not contracts:
+            apply_changes(session, version)
             return None
+        before_version = version["parent_id"]
         action = _node_data(version, f"action:{lid}") or {}
         params = action.get("params", {})
+        checks = check_pre(contracts, before_version, session.nodes, params)  # the world before the dispatch
         if any(c.post for c in contracts):
             keep = any(c.reads_before for c in contracts)  # else `before` is not worth a copy of the world
             session.pending[lid] = {
                 "tool": tool, "params": params, "version": before_version,
-                "nodes": {k: list(v) for k, v in before_nodes.items()} if keep else None,
+                "nodes": {k: list(v) for k, v in session.nodes.items()} if keep else None,
                 "contracts": [[c.contract.name, c.contract.version] for c in contracts if c.post],
             }  # fmt: skip
             while len(session.pending) > _MAX_PENDING:
                 session.pending.pop(next(iter(session.pending)))
-        checks = check_pre(contracts, before_version, before_nodes, params)
+        apply_changes(session, version)
         return Checked(version, Phase.PRE, version.get("step"), tool, before_version, checks)
     apply_changes(session, version)
     if version["kind"] != "result":
@@ -155,35 +167,61 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
     return Checked(version, Phase.POST, version.get("step"), tool, session.version, checks)
 
 
+def _uuid5(prefix: Any, rest: str) -> str:
+    """str(uuid.uuid5(namespace, name)) where `prefix` is a sha1 already fed the namespace and the name's start:
+    the same id, without re-hashing the shared part or building UUID objects (it is made per check)."""
+    digest = prefix.copy()
+    digest.update(rest.encode())
+    raw = bytearray(digest.digest()[:16])
+    raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _id_prefix(session_id: str, step: str) -> Any:
+    return hashlib.sha1(_NAMESPACE.bytes + f"{session_id}\0{step}\0".encode(), usedforsecurity=False)
+
+
 def check_id(session_id: str, step: str, contract: str, phase: str) -> str:
-    return str(uuid.uuid5(_NAMESPACE, f"{session_id}\0{step}\0{contract}\0{phase}"))
+    """uuid5 of (session, step, contract, phase): a replay's check replaces the first one's."""
+    return _uuid5(_id_prefix(session_id, step), f"{contract}\0{phase}")
 
 
 def check_records(checked: Checked) -> list[dict[str, Any]]:
     """ContractCheck records, one per contract."""
     v = checked.version
-    return [
-        {
-            "check_id": check_id(v["session_id"], v["logical_event_id"], c.contract, c.phase.value),
-            "session_id": v["session_id"],
-            "episode_id": v["episode_id"],
-            "logical_event_id": v["logical_event_id"],
-            "step": checked.step,
-            "tool": checked.tool,
+    prefix = _id_prefix(v["session_id"], v["logical_event_id"])
+    common = {
+        "session_id": v["session_id"],
+        "episode_id": v["episode_id"],
+        "logical_event_id": v["logical_event_id"],
+        "step": checked.step,
+        "tool": checked.tool,
+        "state_version_id": checked.state_version_id,
+        "source_event_id": v["event_id"],
+        "event_time": v["event_time"],
+    }
+    phase = checked.phase.value
+    values_json: dict[int, str] = {}  # the checks of a phase share one values dict
+    records = []
+    for c in checked.checks:
+        seen = values_json.get(id(c.values))
+        if seen is None:
+            seen = values_json[id(c.values)] = c.values_json
+        records.append({
+            **common,
+            "check_id": _uuid5(prefix, f"{c.contract}\0{phase}"),
             "contract": c.contract,
             "contract_version": c.version,
-            "phase": c.phase.value,
+            "phase": phase,
             "outcome": c.outcome.value,
             "clause": c.clause,
             "failed_clauses": list(c.failed),
             "reason": c.reason,
-            "values_json": c.values_json,
-            "state_version_id": checked.state_version_id,
-            "source_event_id": v["event_id"],
-            "event_time": v["event_time"],
-        }
-        for c in checked.checks
-    ]
+            "values_json": seen,
+        })  # fmt: skip
+    return records
 
 
 def contract_signal(checked: Checked) -> dict[str, Any] | None:
