@@ -12,7 +12,7 @@ The state views hold the world the agent reasons about: `{"version": id, "nodes"
 "data"}}}`, without the state graph's own per-step nodes (types `action` and `tool_result`).
 
 This module is pure: compiling, binding the views and evaluating are functions of their arguments, so a replay
-evaluates to the same outcome (comprehension macros iterate a map's keys sorted: see ordered_source). Registration
+evaluates to the same outcome (comprehension macros iterate a map's keys sorted: see engine_source). Registration
 (the topic, node types) lives in the contract registry module.
 """
 
@@ -150,13 +150,14 @@ def load_contract(text: str, source: str = "<contract>") -> Contract:
 
 _MACRO_CALL = re.compile(r"\.\s*(all|exists_one|exists|map|filter)\s*\(")
 _MACRO_BOUND = re.compile(r"\.\s*(?:all|exists_one|exists|map|filter)\s*\(\s*([A-Za-z_][A-Za-z0-9_]*)\s*,")
+_SELECT = re.compile(r"\.\s*([A-Za-z_][A-Za-z0-9_]*)(?!\w|\s*\()")  # a field, not a method or macro call
+_HAS = re.compile(r"(?<![\w.])has\s*\(")
 ORDERED = "treadle_ordered"  # the function put before each comprehension macro: a map's keys, sorted
 
 
-def _code_spans(expr: str) -> list[tuple[bool, str]]:
-    """`expr` cut into code and non-code (string and bytes literals, comments), in order, as (is_code, text)."""
-    spans: list[tuple[bool, str]] = []
-    i, start, n = 0, 0, len(expr)
+def _code_only(expr: str) -> str:
+    """`expr` with its string and bytes literals and comments blanked out (same length): where to look for code."""
+    out, i, n = list(expr), 0, len(expr)
     while i < n:
         ch = expr[i]
         if ch == "/" and expr.startswith("//", i):
@@ -164,7 +165,7 @@ def _code_spans(expr: str) -> list[tuple[bool, str]]:
             end = n if end < 0 else end
         elif ch in "'\"":
             k = i
-            while k > start and i - k < 2 and expr[k - 1] in "rRbB":
+            while i - k < 2 and k > 0 and expr[k - 1] in "rRbB":
                 k -= 1
             raw = "r" in expr[k:i].lower() and not (k > 0 and (expr[k - 1].isalnum() or expr[k - 1] == "_"))
             quote = ch * 3 if expr.startswith(ch * 3, i) else ch
@@ -175,19 +176,41 @@ def _code_spans(expr: str) -> list[tuple[bool, str]]:
         else:
             i += 1
             continue
-        spans += [(True, expr[start:i]), (False, expr[i:end])]
-        i = start = end
-    spans.append((True, expr[start:]))
-    return [(code, text) for code, text in spans if text]
+        out[i:end] = "#" * (end - i)
+        i = end
+    return "".join(out)
 
 
-def ordered_source(expr: str) -> str:
-    """`expr` with each comprehension macro's range put in a fixed order: `m.exists(k, p)` becomes
-    `m.treadle_ordered().exists(k, p)`, which iterates a map's keys sorted (a list stays as it is). The engine keeps
-    maps in hash order, which changes from process to process: without this, `map`/`filter` results and which
-    element an `all`/`exists` stops at (a failing one, or the one that decides) would differ between replays."""
-    return "".join(_MACRO_CALL.sub(lambda m: f".{ORDERED}()" + m.group(0), text) if code else text
-                   for code, text in _code_spans(expr))  # fmt: skip
+def _has_arguments(code: str) -> list[tuple[int, int]]:
+    """Where the arguments of `has(...)` macros lie in `code` (see _code_only)."""
+    spans = []
+    for match in _HAS.finditer(code):
+        depth, j = 1, match.end()
+        while j < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[j], 0)
+            j += 1
+        spans.append((match.end(), j))
+    return spans
+
+
+def engine_source(expr: str) -> str:
+    """`expr` as the engine runs it; the same meaning, made deterministic and cheap:
+
+    - each comprehension macro's range is put in a fixed order: `m.exists(k, p)` becomes
+      `m.treadle_ordered().exists(k, p)`, which iterates a map's keys sorted (a list stays as it is). The engine
+      keeps maps in hash order, which changes from process to process: without this, `map`/`filter` results and
+      which element an `all`/`exists` stops at (a failing one, or the one that decides) would differ between replays;
+    - a field selection is written as an index, `state.nodes` as `state["nodes"]` (outside `has()`): the same on a
+      map (and the same error elsewhere), but the engine copies the whole selected value on a selection, which
+      made a clause reading `state.nodes` cost time in proportion to the world's size."""
+    code = _code_only(expr)
+    inside_has = _has_arguments(code)
+    edits = [(m.start(), m.start(), f".{ORDERED}()") for m in _MACRO_CALL.finditer(code)]
+    edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in _SELECT.finditer(code)
+              if not any(start <= m.start() < end for start, end in inside_has)]  # fmt: skip
+    for start, end, text in sorted(edits, reverse=True):
+        expr = expr[:start] + text + expr[end:]
+    return expr
 
 
 def _sort_key(key: Any) -> tuple[str, Any]:
@@ -230,7 +253,7 @@ def _first_sentence(text: str) -> str:
 
 def _bound_names(expr: str) -> set[str]:
     """Names a comprehension macro binds (`k` in `m.exists(k, ...)`): not free variables."""
-    return {m.group(1) for code, text in _code_spans(expr) if code for m in _MACRO_BOUND.finditer(text)}
+    return {m.group(1) for m in _MACRO_BOUND.finditer(_code_only(expr))}
 
 
 def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]]:
@@ -251,10 +274,11 @@ def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]
                 allowed = ", ".join(sorted(PHASE_VARIABLES[phase]))
                 reasons.append(f"{phase} clause {clause.name!r} reads {', '.join(unknown)}; {phase} see only {allowed}")
                 continue
-            source = ordered_source(clause.expr)
+            source = engine_source(clause.expr)
             if source != clause.expr:
                 program = cel.compile(source)
-            compiled.append(CompiledClause(phase, clause, program, frozenset(variables), source != clause.expr))
+            macros = _MACRO_CALL.search(_code_only(clause.expr)) is not None
+            compiled.append(CompiledClause(phase, clause, program, frozenset(variables), macros))
     return compiled, reasons
 
 

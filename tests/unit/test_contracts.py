@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cel
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -29,9 +30,12 @@ from topics.contracts import (
     Outcome,
     Phase,
     available_actions,
+    bind,
     check_post,
     check_pre,
+    compile_clauses,
     effective,
+    engine_source,
     load_contract,
     registration_problems,
     state_view,
@@ -101,6 +105,83 @@ def test_the_result_view_parses_json_output_and_a_non_bool_clause_is_not_evaluab
 def test_the_state_view_leaves_out_the_graphs_own_step_nodes() -> None:
     view = state_view("v", {"a": ("file", {}), "action:1": ("action", {}), "result:1": ("tool_result", {})})
     assert view == {"version": "v", "nodes": {"a": {"id": "a", "type": "file", "data": {}}}}
+
+
+# -- the engine: the same meaning, deterministic ---------------------------------------------------------------------
+
+
+def test_the_engine_source_indexes_fields_outside_has_and_literals_and_orders_macro_ranges() -> None:
+    assert engine_source('params.path in state.nodes && state.nodes[params.path].type == "x.y"') == (
+        'params["path"] in state["nodes"] && state["nodes"][params["path"]]["type"] == "x.y"'
+    )
+    assert engine_source("has(state.nodes.a) && r'\\'.size() == 1 // state.nodes") == (
+        "has(state.nodes.a) && r'\\'.size() == 1 // state.nodes"
+    )
+    assert engine_source("state.nodes.exists(n, n.startsWith('a'))") == (
+        "state[\"nodes\"].treadle_ordered().exists(n, n.startsWith('a'))"
+    )
+
+
+WORLD = st.dictionaries(
+    st.sampled_from(["a", "b", "c", "d", "e", "f"]),
+    st.tuples(st.sampled_from(["file", "dir"]), st.dictionaries(st.sampled_from(["h", "size"]), st.integers(0, 9))),
+    max_size=6,
+)
+PLAIN_CLAUSES = [
+    "size(state.nodes) > 2",
+    "params.path in state.nodes && state.nodes[params.path].data.h > 4",
+    "state.nodes[params.path].type == 'file' || state.version == 'v'",
+    "has(state.nodes.a) ? state.nodes.a.data.size < 5 : params.path != 'a'",
+    "state.nodes.a.data.h + state.nodes.b.data.h > 9",
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(nodes=WORLD, path=st.sampled_from(["a", "b", "z"]))
+def test_a_clause_means_the_same_as_the_engine_runs_it(nodes: dict[str, tuple[str, Any]], path: str) -> None:
+    """The rewritten source (fields as indexes) gives what the clause as written gives: the same bool or error."""
+    variables = {"state": state_view("v", nodes), "params": {"path": path}}
+    for expr in PLAIN_CLAUSES:
+        (compiled,), _ = compile_clauses(Contract(tool="t", params=[expr]))
+        assert compiled.program.source != expr
+        written = outcome_of(lambda e=expr: cel.compile(e).execute(variables))
+        run = compiled.evaluate(cel.Context(variables))
+        assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
+
+
+def outcome_of(run: Any) -> bool | str:
+    """A clause's value, or the kind of error, as CompiledClause.evaluate names them."""
+    try:
+        value = run()
+    except KeyError:
+        return "no such key"
+    except Exception as exc:
+        return type(exc).__name__
+    return value if isinstance(value, bool) else "evaluated to"
+
+
+@settings(max_examples=80, deadline=None)
+@given(nodes=WORLD)
+def test_a_macro_iterates_a_maps_keys_in_order_so_every_process_agrees(nodes: dict[str, tuple[str, Any]]) -> None:
+    """`exists` stops at the first node, in key order, that decides or fails (a node without `h` fails); the
+    engine's own map order changes from process to process, so without the order a replay could disagree."""
+    contract = CompiledContract(Contract(tool="t", preconditions=[
+        {"big": "state.nodes.exists(n, state.nodes[n].data.h > 6)"},
+        {"first": "size(state.nodes) == 0 || state.nodes.map(n, n)[0] == state.nodes.filter(n, true)[0]"},
+    ]))  # fmt: skip
+    expected: bool | str = False
+    for key in sorted(nodes):
+        if "h" not in nodes[key][1]:
+            expected = "no such key: h"
+            break
+        if nodes[key][1]["h"] > 6:
+            expected = True
+            break
+    (check,) = check_pre([contract], "v", nodes, {})
+    results = dict(zip(["big", "first"], [c.evaluate(bind([c], {"state": lambda: state_view("v", nodes)}))
+                                          for c in contract.pre], strict=True))  # fmt: skip
+    assert results == {"big": expected, "first": True}
+    assert check.outcome is {True: Outcome.PASSED, False: Outcome.VIOLATED}.get(expected, Outcome.NOT_EVALUABLE)
 
 
 # -- registration refusals -------------------------------------------------------------------------------------------
