@@ -200,14 +200,15 @@ def engine_source(expr: str) -> str:
       `m.treadle_ordered().exists(k, p)`, which iterates a map's keys sorted (a list stays as it is). The engine
       keeps maps in hash order, which changes from process to process: without this, `map`/`filter` results and
       which element an `all`/`exists` stops at (a failing one, or the one that decides) would differ between replays;
-    - a field selection is written as an index, `state.nodes` as `state["nodes"]` (outside `has()`): the same on a
-      map (and the same error elsewhere), but the engine copies the whole selected value on a selection, which
-      made a clause reading `state.nodes` cost time in proportion to the world's size."""
+    - a field selection is written as an index, `state.nodes` as `state["nodes"]` (but the one `has()` tests): the
+      same on a map (and the same error elsewhere), but the engine copies the whole selected value on a selection,
+      which made a clause reading `state.nodes` cost time in proportion to the world's size."""
     code = _code_only(expr)
-    inside_has = _has_arguments(code)
+    selects = list(_SELECT.finditer(code))
+    tested = {max((m.start() for m in selects if start <= m.start() < end), default=-1)  # has() tests its last one
+              for start, end in _has_arguments(code)}  # fmt: skip
     edits = [(m.start(), m.start(), f".{ORDERED}()") for m in _MACRO_CALL.finditer(code)]
-    edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in _SELECT.finditer(code)
-              if not any(start <= m.start() < end for start, end in inside_has)]  # fmt: skip
+    edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in selects if m.start() not in tested]
     for start, end, text in sorted(edits, reverse=True):
         expr = expr[:start] + text + expr[end:]
     return expr

@@ -110,12 +110,12 @@ def test_the_state_view_leaves_out_the_graphs_own_step_nodes() -> None:
 # -- the engine: the same meaning, deterministic ---------------------------------------------------------------------
 
 
-def test_the_engine_source_indexes_fields_outside_has_and_literals_and_orders_macro_ranges() -> None:
+def test_the_engine_source_indexes_fields_but_has_tests_and_literals_and_orders_macro_ranges() -> None:
     assert engine_source('params.path in state.nodes && state.nodes[params.path].type == "x.y"') == (
         'params["path"] in state["nodes"] && state["nodes"][params["path"]]["type"] == "x.y"'
     )
     assert engine_source("has(state.nodes.a) && r'\\'.size() == 1 // state.nodes") == (
-        "has(state.nodes.a) && r'\\'.size() == 1 // state.nodes"
+        "has(state[\"nodes\"].a) && r'\\'.size() == 1 // state.nodes"
     )
     assert engine_source("state.nodes.exists(n, n.startsWith('a'))") == (
         "state[\"nodes\"].treadle_ordered().exists(n, n.startsWith('a'))"
@@ -132,6 +132,7 @@ PLAIN_CLAUSES = [
     "params.path in state.nodes && state.nodes[params.path].data.h > 4",
     "state.nodes[params.path].type == 'file' || state.version == 'v'",
     "has(state.nodes.a) ? state.nodes.a.data.size < 5 : params.path != 'a'",
+    "state.nodes.exists(n, has(state.nodes[n].data.h) && state.nodes[n].data.h > 7)",
     "state.nodes.a.data.h + state.nodes.b.data.h > 9",
 ]
 
@@ -145,7 +146,7 @@ def test_a_clause_means_the_same_as_the_engine_runs_it(nodes: dict[str, tuple[st
         (compiled,), _ = compile_clauses(Contract(tool="t", params=[expr]))
         assert compiled.program.source != expr
         written = outcome_of(lambda e=expr: cel.compile(e).execute(variables))
-        run = compiled.evaluate(cel.Context(variables))
+        run = compiled.evaluate(bind([compiled], {name: lambda v=value: v for name, value in variables.items()}))
         assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
 
 
