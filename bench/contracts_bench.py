@@ -34,7 +34,7 @@ from processors.state.graph import MemoryStore, SessionState, StateFold
 from processors.steps.assembler import StepAssembler, StepState
 from processors.steps.policy import PolicyBook, RewardPolicy
 from topics.codec import AvroCodec
-from topics.contracts import Contract
+from topics.contracts import Contract, WorldCache
 from topics.names import CONTRACT_CHECK, DISPATCH, REWARD, STATE_DELTA, STATE_VERSION, STEP_EVIDENCE, TOOL_RESULT
 
 TOOLS = ("write_file", "read_file", "append_file", "touch_file")
@@ -117,7 +117,7 @@ def run_steps(inputs: list[tuple[str, bytes]]) -> float:
 
 
 def run_contracts(inputs: list[tuple[str, bytes]], versions: list[bytes], book: ContractBook) -> tuple[float, int]:
-    codec, table, checks = AvroCodec(), {}, 0
+    codec, table, checks, worlds = AvroCodec(), {}, 0, WorldCache()
     started = time.process_time()
     for schema, value in inputs:  # provenance: the processor's input side
         _, record = codec.decode(value, schema)
@@ -133,7 +133,7 @@ def run_contracts(inputs: list[tuple[str, bytes]], versions: list[bytes], book: 
             _, version = codec.decode(value, STATE_VERSION)
             key = version["session_id"]
             session = sessions.get(key) or sessions.setdefault(key, SessionContracts.from_bytes(table.get(key)))
-            checked = fold(session, version, book)
+            checked = fold(session, version, book, worlds)
             if checked is None:
                 continue
             for record in check_records(checked):

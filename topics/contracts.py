@@ -211,6 +211,23 @@ def engine_source(expr: str) -> str:
     edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in selects if m.start() not in tested]
     for start, end, text in sorted(edits, reverse=True):
         expr = expr[:start] + text + expr[end:]
+    return _world_parts(expr) if not _bound_names(expr) & {"state", "before"} else expr
+
+
+_WORLD_PART = re.compile(r"(?<![\w.])(state|before)\s*\[(#+)\]")
+_PARTS = {'"nodes"': "nodes", "'nodes'": "nodes", '"version"': "version", "'version'": "version"}
+
+
+def _world_parts(expr: str) -> str:
+    """`state["nodes"]` as the variable `treadle_state_nodes` (and so for `version` and `before`): the world's nodes
+    are then bound on their own, and reused while the world is unchanged (see WorldCache)."""
+    edits = []
+    for m in _WORLD_PART.finditer(_code_only(expr)):
+        part = _PARTS.get(expr[m.start(2) : m.end(2)])
+        if part is not None:
+            edits.append((m.start(), m.end(), f"treadle_{m.group(1)}_{part}"))
+    for start, end, text in reversed(edits):
+        expr = expr[:start] + text + expr[end:]
     return expr
 
 
@@ -233,6 +250,7 @@ class CompiledClause:
     program: Any  # cel.Program, compiled once
     variables: frozenset[str]  # the variables it reads
     uses_ordered: bool  # it calls ORDERED (it has a comprehension macro)
+    binds: frozenset[str] = frozenset()  # what the engine reads: variables, or their parts (treadle_state_nodes...)
 
     def evaluate(self, context: Any) -> bool | str:
         """True or False, or why it could not be evaluated, in a cel.Context (see bind)."""
@@ -279,18 +297,47 @@ def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]
             if source != clause.expr:
                 program = cel.compile(source)
             macros = _MACRO_CALL.search(_code_only(clause.expr)) is not None
-            compiled.append(CompiledClause(phase, clause, program, frozenset(variables), macros))
+            binds = frozenset(set(program.variables()) - _bound_names(source))
+            compiled.append(CompiledClause(phase, clause, program, frozenset(variables), macros, binds))
     return compiled, reasons
 
 
-def bind(clauses: Iterable[CompiledClause], views: Mapping[str, Callable[[], Any]]) -> Any:
-    """One cel.Context for evaluating `clauses`: each variable they read converted once (the conversion costs more
-    than most evaluations), from `views` (variable -> a function that makes its Python value); a variable without a
-    view is left out, so a clause reading it is not evaluable."""
+def bind(
+    clauses: Iterable[CompiledClause], views: Mapping[str, Callable[[], Any]], context: Any = None, bound: str = ""
+) -> Any:
+    """A cel.Context for evaluating `clauses`: each variable (or part, see CompiledClause.binds) they read converted
+    once (the conversion costs more than most evaluations), from `views` (name -> a function that makes its Python
+    value), into `context` when given (one from a WorldCache, where the name `bound` is bound already) or a new one.
+    A name without a view is left out, so a clause reading it is not evaluable."""
     clauses = list(clauses)
-    names = set().union(*(c.variables for c in clauses))
+    names = set().union(*(c.binds for c in clauses))
+    names.discard(bound)
     variables = {name: views[name]() for name in sorted(names) if name in views}
-    return cel.Context(variables, _FUNCTIONS if any(c.uses_ordered for c in clauses) else None)
+    if context is None:
+        return cel.Context(variables, _FUNCTIONS if any(c.uses_ordered for c in clauses) else None)
+    context.update(variables)
+    return context
+
+
+class WorldCache:
+    """Per session, its world's nodes converted to the engine's values, reused while the world is unchanged (between
+    a dispatch and its result, and over steps that change nothing): converting is most of a check's cost. `key`
+    names the world's content (the session's last ordinal that changed a node), so reuse cannot change an outcome."""
+
+    def __init__(self, sessions: int = 1024) -> None:
+        self._sessions = sessions
+        self._worlds: dict[str, tuple[Any, Any]] = {}  # session -> (key, cel.Context binding treadle_state_nodes)
+
+    def context(self, session: str, key: Any, nodes: Nodes) -> Any:
+        known = self._worlds.pop(session, None)
+        if known is not None and known[0] == key:
+            context = known[1]
+        else:
+            context = cel.Context({"treadle_state_nodes": nodes_view(nodes)}, _FUNCTIONS)
+        self._worlds[session] = (key, context)  # last used last; the oldest is dropped past the bound
+        if len(self._worlds) > self._sessions:
+            self._worlds.pop(next(iter(self._worlds)))
+        return context
 
 
 def node_types_read(contract: Contract) -> set[str]:
@@ -344,11 +391,22 @@ def node_view(node_id: str, node_type: str, data: Any) -> dict[str, Any]:
     return {"id": node_id, "type": node_type, "data": data}
 
 
+def nodes_view(nodes: Nodes) -> dict[str, Any]:
+    """`state.nodes`: the world's nodes (auto nodes left out)."""
+    return {nid: node_view(nid, t, d) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES}
+
+
 def state_view(version: str, nodes: Nodes) -> dict[str, Any]:
     """The `state`/`before` variable: the version id and the world's nodes (auto nodes left out)."""
+    return {"version": version, "nodes": nodes_view(nodes)}
+
+
+def world_views(name: str, version: str, nodes: Nodes) -> dict[str, Callable[[], Any]]:
+    """The views of `state` or `before` (`name`), whole and in parts (see CompiledClause.binds)."""
     return {
-        "version": version,
-        "nodes": {nid: node_view(nid, t, d) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES},
+        name: lambda: state_view(version, nodes),
+        f"treadle_{name}_nodes": lambda: nodes_view(nodes),
+        f"treadle_{name}_version": lambda: version,
     }
 
 
@@ -461,12 +519,30 @@ def seen_values(
     return values
 
 
-def check_pre(contracts: Sequence[CompiledContract], version: str, nodes: Nodes, params: Any) -> list[Check]:
-    """Every contract's preconditions and parameter constraints at a dispatch, over the state it acted on."""
+def _world(
+    clauses: list[CompiledClause], views: dict[str, Callable[[], Any]], cache: WorldCache | None, world: Any
+) -> Any:
+    """The context for `clauses`, from the cache when given (`world`: (session, key, nodes)) and they read the nodes."""
+    if cache is None or world is None or not any("treadle_state_nodes" in c.binds for c in clauses):
+        return bind(clauses, views)
+    return bind(clauses, views, cache.context(*world), bound="treadle_state_nodes")
+
+
+def check_pre(
+    contracts: Sequence[CompiledContract],
+    version: str,
+    nodes: Nodes,
+    params: Any,
+    cache: WorldCache | None = None,
+    world: tuple[str, Any] | None = None,
+) -> list[Check]:
+    """Every contract's preconditions and parameter constraints at a dispatch, over the state it acted on. With a
+    `cache`, `world` is (session, key of `nodes`' content) and the converted nodes are reused."""
     clauses = [c for contract in contracts for c in contract.pre]
     if not clauses:
         return []
-    context = bind(clauses, {"state": lambda: state_view(version, nodes), "params": lambda: params})
+    views = {**world_views("state", version, nodes), "params": lambda: params}
+    context = _world(clauses, views, cache, (*world, nodes) if world else None)
     values = seen_values(params, (version, nodes))
     return [c for contract in contracts if (c := contract.check(Phase.PRE, context, values)) is not None]
 
@@ -477,18 +553,19 @@ def check_post(
     after: tuple[str, Nodes],
     params: Any,
     result: Mapping[str, Any],
+    cache: WorldCache | None = None,
+    world: tuple[str, Any] | None = None,
 ) -> list[Check]:
     """Every contract's postconditions at a tool result: `before` is the state at the dispatch (None when unknown:
-    clauses that read it are then not evaluable), `after` the state at the result."""
+    clauses that read it are then not evaluable), `after` the state at the result (`world` as in check_pre)."""
     clauses = [c for contract in contracts for c in contract.post]
     if not clauses:
         return []
     view = result_view(result)
-    views: dict[str, Callable[[], Any]] = {"state": lambda: state_view(*after), "params": lambda: params,
-                                           "result": lambda: view}  # fmt: skip
+    views = {**world_views("state", *after), "params": lambda: params, "result": lambda: view}
     if before is not None:
-        views["before"] = lambda: state_view(*before)
-    context = bind(clauses, views)
+        views.update(world_views("before", *before))
+    context = _world(clauses, views, cache, (*world, after[1]) if world else None)
     values = seen_values(params, after, before, view)
     unknown = "before" if before is None else ""
     return [c for contract in contracts if (c := contract.check(Phase.POST, context, values, unknown)) is not None]
@@ -498,8 +575,7 @@ def available_actions(contracts: Iterable[CompiledContract], version: str, nodes
     """The tools whose every contract's preconditions hold in this state (sorted): the action mask. A tool with no
     contract is not listed (nothing is known about it); a precondition that cannot be evaluated masks the tool."""
     contracts = list(contracts)
-    context = bind((c for contract in contracts for c in contract.preconditions),
-                   {"state": lambda: state_view(version, nodes)})  # fmt: skip
+    context = bind((c for contract in contracts for c in contract.preconditions), world_views("state", version, nodes))
     by_tool: dict[str, bool] = {}
     for contract in contracts:
         tool = contract.contract.tool

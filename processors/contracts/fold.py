@@ -30,6 +30,7 @@ from topics.contracts import (
     Contract,
     Outcome,
     Phase,
+    WorldCache,
     check_post,
     check_pre,
     effective,
@@ -48,10 +49,12 @@ class SessionContracts:
     version: str = ""
     nodes: dict[str, tuple[str, Any]] = field(default_factory=dict)
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # step -> dispatch facts for its postconditions
+    world: int = 0  # the last ordinal that changed the world's nodes: names their content (WorldCache key)
 
     def to_bytes(self) -> bytes:
         nodes = {k: list(v) for k, v in self.nodes.items()}
-        return orjson.dumps({"ordinal": self.ordinal, "version": self.version, "nodes": nodes, "pending": self.pending})
+        return orjson.dumps({"ordinal": self.ordinal, "version": self.version, "nodes": nodes, "pending": self.pending,
+                             "world": self.world})  # fmt: skip
 
     @classmethod
     def from_bytes(cls, raw: bytes | None) -> SessionContracts:
@@ -59,7 +62,7 @@ class SessionContracts:
             return cls()
         doc = orjson.loads(raw)
         nodes = {k: (v[0], v[1]) for k, v in doc["nodes"].items()}
-        return cls(doc["ordinal"], doc["version"], nodes, doc["pending"])
+        return cls(doc["ordinal"], doc["version"], nodes, doc["pending"], doc.get("world", doc["ordinal"]))
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,19 @@ def apply_changes(session: SessionContracts, version: dict[str, Any]) -> None:
     for change in version["node_changes"]:
         nxt = change["next"]
         if nxt is None:
-            session.nodes.pop(change["node_id"], None)
+            if session.nodes.pop(change["node_id"], None) is not None:
+                session.world = version["ordinal"]
         elif nxt["type"] not in AUTO_NODE_TYPES:
             session.nodes[change["node_id"]] = (nxt["type"], orjson.loads(nxt["data_json"]))
+            session.world = version["ordinal"]
     session.ordinal, session.version = version["ordinal"], version["version_id"]
 
 
-def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook) -> Checked | None:
-    """Apply one StateVersion; the checks it calls for (None for a duplicate or a version nobody checks)."""
+def fold(
+    session: SessionContracts, version: dict[str, Any], book: ContractBook, worlds: WorldCache | None = None
+) -> Checked | None:
+    """Apply one StateVersion; the checks it calls for (None for a duplicate or a version nobody checks). `worlds`
+    keeps each session's converted world between checks (the outcome is the same without it)."""
     if version["ordinal"] <= session.ordinal:
         return None
     lid, tool = version["logical_event_id"], version.get("tool") or ""
@@ -141,7 +149,8 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
         before_version = version["parent_id"]
         action = _node_data(version, f"action:{lid}") or {}
         params = action.get("params", {})
-        checks = check_pre(contracts, before_version, session.nodes, params)  # the world before the dispatch
+        world = (version["session_id"], session.world)
+        checks = check_pre(contracts, before_version, session.nodes, params, worlds, world)  # the world before it
         if any(c.post for c in contracts):
             keep = any(c.reads_before for c in contracts)  # else `before` is not worth a copy of the world
             session.pending[lid] = {
@@ -163,7 +172,8 @@ def fold(session: SessionContracts, version: dict[str, Any], book: ContractBook)
     contracts = book.versions((name, v) for name, v in pending["contracts"])
     kept = pending["nodes"]
     before = (pending["version"], {k: (t, d) for k, (t, d) in kept.items()}) if kept is not None else None
-    checks = check_post(contracts, before, (session.version, session.nodes), pending["params"], result)
+    world = (version["session_id"], session.world)
+    checks = check_post(contracts, before, (session.version, session.nodes), pending["params"], result, worlds, world)
     return Checked(version, Phase.POST, version.get("step"), tool, session.version, checks)
 
 

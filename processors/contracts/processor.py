@@ -27,7 +27,7 @@ from streams.runtime.processor import InputEvent, ProcessingContext
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.contract_registry import ContractRegistry
-from topics.contracts import ContractError
+from topics.contracts import ContractError, WorldCache
 from topics.names import CONTRACT_CHECK, DISPATCH, REWARD, STATE_VERSION, STEP_EVIDENCE, TOOL_RESULT
 from topics.settings import Settings
 
@@ -64,6 +64,7 @@ class ContractsProcessor:
 
     def __init__(self, book: ContractBook | None = None) -> None:
         self.book = book or ContractBook()
+        self.worlds = WorldCache()  # each session's converted world, reused while it is unchanged
         self.app: faust.App | None = None
         self.ctx: ProcessingContext | None = None
         self.sessions: Any = None  # faust.Table[bytes, bytes]: SessionContracts per session
@@ -144,7 +145,7 @@ class ContractsProcessor:
             known = changed.get(key)
             session = known[1] if known else SessionContracts.from_bytes(
                 table_writes.get_in_partition(self.sessions, key, partition))  # fmt: skip
-            checked = fold(session, version, self.book)
+            checked = fold(session, version, self.book, self.worlds)
             changed[key] = (partition, session)
             if checked is None:
                 continue

@@ -29,6 +29,7 @@ from topics.contracts import (
     ContractError,
     Outcome,
     Phase,
+    WorldCache,
     available_actions,
     bind,
     check_post,
@@ -39,6 +40,7 @@ from topics.contracts import (
     load_contract,
     registration_problems,
     state_view,
+    world_views,
 )
 from topics.names import CONTRACT_CHECK, DISPATCH, REWARD, STATE_DELTA, STEP_EVIDENCE, TOOL_RESULT
 from treadle.testing import check_publish, dispatch, run_sync, tool_result
@@ -112,13 +114,17 @@ def test_the_state_view_leaves_out_the_graphs_own_step_nodes() -> None:
 
 def test_the_engine_source_indexes_fields_but_has_tests_and_literals_and_orders_macro_ranges() -> None:
     assert engine_source('params.path in state.nodes && state.nodes[params.path].type == "x.y"') == (
-        'params["path"] in state["nodes"] && state["nodes"][params["path"]]["type"] == "x.y"'
+        'params["path"] in treadle_state_nodes && treadle_state_nodes[params["path"]]["type"] == "x.y"'
     )
     assert engine_source("has(state.nodes.a) && r'\\'.size() == 1 // state.nodes") == (
-        "has(state[\"nodes\"].a) && r'\\'.size() == 1 // state.nodes"
+        "has(treadle_state_nodes.a) && r'\\'.size() == 1 // state.nodes"
     )
-    assert engine_source("state.nodes.exists(n, n.startsWith('a'))") == (
-        "state[\"nodes\"].treadle_ordered().exists(n, n.startsWith('a'))"
+    assert engine_source("before.nodes.exists(n, n.startsWith('a')) && state != before") == (
+        "treadle_before_nodes.treadle_ordered().exists(n, n.startsWith('a')) && state != before"
+    )
+    assert (
+        engine_source("[1].exists(state, state.nodes == 1)")
+        == '[1].treadle_ordered().exists(state, state["nodes"] == 1)'
     )
 
 
@@ -146,7 +152,9 @@ def test_a_clause_means_the_same_as_the_engine_runs_it(nodes: dict[str, tuple[st
         (compiled,), _ = compile_clauses(Contract(tool="t", params=[expr]))
         assert compiled.program.source != expr
         written = outcome_of(lambda e=expr: cel.compile(e).execute(variables))
-        run = compiled.evaluate(bind([compiled], {name: lambda v=value: v for name, value in variables.items()}))
+        run = compiled.evaluate(
+            bind([compiled], {**world_views("state", "v", nodes), "params": lambda: {"path": path}})
+        )
         assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
 
 
@@ -179,7 +187,7 @@ def test_a_macro_iterates_a_maps_keys_in_order_so_every_process_agrees(nodes: di
             expected = True
             break
     (check,) = check_pre([contract], "v", nodes, {})
-    results = dict(zip(["big", "first"], [c.evaluate(bind([c], {"state": lambda: state_view("v", nodes)}))
+    results = dict(zip(["big", "first"], [c.evaluate(bind([c], world_views("state", "v", nodes)))
                                           for c in contract.pre], strict=True))  # fmt: skip
     assert results == {"big": expected, "first": True}
     assert check.outcome is {True: Outcome.PASSED, False: Outcome.VIOLATED}.get(expected, Outcome.NOT_EVALUABLE)
@@ -361,10 +369,12 @@ def workload(kinds: list[str], session: str = "s") -> list[tuple[str, dict]]:
     return events
 
 
-def run_fold(versions: list[dict], book: ContractBook, restart_every: int | None = None) -> list[dict]:
+def run_fold(
+    versions: list[dict], book: ContractBook, restart_every: int | None = None, worlds: WorldCache | None = None
+) -> list[dict]:
     session, out = SessionContracts(), []
     for i, version in enumerate(versions):
-        checked = fold(session, version, book)
+        checked = fold(session, version, book, worlds)
         if checked is not None:
             out += check_records(checked)
             signal = contract_signal(checked)
@@ -403,11 +413,12 @@ def test_a_duplicate_version_is_skipped_and_a_tool_without_contract_is_not_check
 @settings(max_examples=40, deadline=None)
 @given(kinds=STEP_KINDS, restart_every=st.integers(1, 4))
 def test_the_fold_is_deterministic_across_restarts_and_replays(kinds: list[str], restart_every: int) -> None:
+    """The same records with or without a WorldCache (kept across restarts and replays, as the processor keeps it)."""
     versions = versions_of(workload(kinds))
     book = ContractBook([write_file()])
-    first = run_fold(versions, book)
-    assert run_fold(versions, book, restart_every) == first
-    replayed = run_fold(versions[: len(versions) // 2] + versions, book)  # a crash: half of it published twice
+    first, worlds = run_fold(versions, book), WorldCache()
+    assert run_fold(versions, book, restart_every, worlds) == first
+    replayed = run_fold(versions[: len(versions) // 2] + versions, book, worlds=worlds)  # a crash: half published twice
     assert replayed == first
 
 
