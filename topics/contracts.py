@@ -18,6 +18,7 @@ evaluates to the same outcome (comprehension macros iterate a map's keys sorted:
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -260,6 +261,10 @@ class CompiledClause:
             return f"no such key: {exc.args[0] if exc.args else ''}"
         except Exception as exc:  # no such overload, an undefined variable or function, overflow, a bad regex...
             return f"{type(exc).__name__}: {_first_sentence(str(exc))}"
+        except BaseException as exc:  # a panic in the engine: pyo3's PanicException is not an Exception
+            if type(exc).__name__ != "PanicException":
+                raise
+            return f"the CEL engine failed: {_first_sentence(str(exc))}"
         if isinstance(value, bool):
             return value
         return f"evaluated to {type(value).__name__}, not a bool"
@@ -313,9 +318,19 @@ def bind(
     names = set().union(*(c.binds for c in clauses))
     names.discard(bound)
     variables = {name: views[name]() for name in sorted(names) if name in views}
-    if context is None:
-        return cel.Context(variables, _FUNCTIONS if any(c.uses_ordered for c in clauses) else None)
-    context.update(variables)
+    if context is not None:
+        try:
+            context.update(variables)
+            return context
+        except ValueError:  # the cached context may now hold a stale value: start afresh
+            return bind(clauses, views)
+    context = cel.Context(None, _FUNCTIONS if any(c.uses_ordered for c in clauses) else None)
+    try:
+        context.update(variables)
+    except ValueError:  # a value the engine cannot hold (not JSON data): leave it out, its clauses are not evaluable
+        for name, value in variables.items():
+            with contextlib.suppress(ValueError):
+                context.add_variable(name, value)
     return context
 
 

@@ -193,6 +193,15 @@ def test_a_macro_iterates_a_maps_keys_in_order_so_every_process_agrees(nodes: di
     assert check.outcome is {True: Outcome.PASSED, False: Outcome.VIOLATED}.get(expected, Outcome.NOT_EVALUABLE)
 
 
+def test_a_value_the_engine_cannot_hold_makes_its_clauses_not_evaluable_even_in_a_cached_world() -> None:
+    contract = CompiledContract(Contract(tool="t", params=["params.x == 1", "size(state.nodes) == 0"]))
+    worlds = WorldCache()
+    (ok,) = check_pre([contract], "v", {}, {"x": 1}, worlds, ("s", 1))
+    (odd,) = check_pre([contract], "v", {}, {"x": {1.5: 2}}, worlds, ("s", 1))  # not JSON: a float key
+    assert ok.outcome is Outcome.PASSED
+    assert (odd.outcome, odd.failed) == (Outcome.NOT_EVALUABLE, ("params.x == 1",))  # not the stale params
+
+
 # -- registration refusals -------------------------------------------------------------------------------------------
 
 
