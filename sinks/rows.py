@@ -88,6 +88,15 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "state_node_ends": ("session_id", "to_ordinal", "node_id", "from_ordinal", "valid_to", "close_op"),
     "state_edges": ("session_id", "from_ordinal", "src", "dst", "type", "data_json", "valid_from", "open_op"),
     "state_edge_ends": ("session_id", "to_ordinal", "src", "dst", "type", "from_ordinal", "valid_to", "close_op"),
+    "contract_checks": (
+        "check_id", "session_id", "episode_id", "logical_event_id", "step", "tool", "contract", "contract_version",
+        "phase", "outcome", "clause", "failed_clauses", "reason", "values_json", "state_version_id", "source_event_id",
+        "event_time",
+    ),
+    "step_evidence": (
+        "event_id", "session_id", "episode_id", "logical_event_id", "schema_name", "tool", "sha256", "size_bytes",
+        "attributes", "event_time",
+    ),
     "llm_calls": (
         "event_id", "session_id", "logical_event_id", "agent_id", "episode_id", "seq", "event_time", "policy_version",
         "trace_id", "attributes", "provider", "model", "request_id", "response_id", "choice_index", "messages_json",
@@ -403,6 +412,18 @@ def _interval_rows(table: str, key: Row, change: Mapping[str, Any], ordinal: int
     return rows
 
 
+def _contract_check(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["contract_checks"]}
+    row["event_time"] = micros(record["event_time"])
+    return [("contract_checks", row)]
+
+
+def _step_evidence(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["step_evidence"]}
+    row["event_time"] = micros(record["event_time"])
+    return [("step_evidence", row)]
+
+
 _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     "actions": _input_event,
     "tool_results": _input_event,
@@ -417,4 +438,6 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "resource_samples": _resource_sample,
     "late_rewards": _late_reward,
     "state_versions": _state_version,
+    "contract_checks": _contract_check,
+    "step_evidence": _step_evidence,
 }

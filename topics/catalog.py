@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from topics.names import (
+    CONTRACT_CHECK,
     DEAD_LETTER,
     DISPATCH,
     EVALUATION_METRIC,
@@ -20,6 +21,7 @@ from topics.names import (
     REWARD,
     STATE_DELTA,
     STATE_VERSION,
+    STEP_EVIDENCE,
     TOOL_RESULT,
     TRANSITION,
     WOVEN_REWARD,
@@ -92,6 +94,20 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         "GPU telemetry from workers (NVML), keyed by host, not by session.",
     ),
     (
+        "contract_checks",
+        CONTRACT_CHECK,
+        TopicRole.OUTPUT,
+        _DELETE,
+        "Contract checks: per step, contract and phase, passed / violated / not evaluable, with clause and values.",
+    ),
+    (
+        "step_evidence",
+        STEP_EVIDENCE,
+        TopicRole.OUTPUT,
+        _DELETE,
+        "Provenance: SHA-256 of each dispatch and tool result as received, with its envelope attributes.",
+    ),
+    (
         "reward_policies",
         None,
         TopicRole.INTERNAL,
@@ -104,6 +120,13 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         TopicRole.INTERNAL,
         {"cleanup.policy": "compact", "retention.ms": "-1"},
         "State-graph node types: node/<type>/<hash> -> JSON Schema (python -m topics.node_types).",
+    ),
+    (
+        "contracts",
+        None,
+        TopicRole.INTERNAL,
+        {"cleanup.policy": "compact", "retention.ms": "-1"},
+        "Action contracts: contract/<name>/<version> -> contract JSON (`treadle contracts register`).",
     ),
     (
         "schemas",

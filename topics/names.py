@@ -20,5 +20,7 @@ DEAD_LETTER = "treadle.derived.DeadLetter"
 STATE_VERSION = "treadle.derived.StateVersion"
 EVALUATION_METRIC = "treadle.derived.EvaluationMetric"
 RESOURCE_SAMPLE = "treadle.derived.ResourceSample"
+CONTRACT_CHECK = "treadle.derived.ContractCheck"
+STEP_EVIDENCE = "treadle.derived.StepEvidence"
 
 INPUT_SCHEMAS = (DISPATCH, TOOL_RESULT, REWARD, STATE_DELTA, LIFECYCLE, LLM_CALL)

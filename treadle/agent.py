@@ -7,7 +7,7 @@ above the processors and sinks that write that state, so they are added here rat
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import ClassVar
 
 from processors.state.model import StateGraph
@@ -40,6 +40,14 @@ class AgentStream(_ProducingStream):
 
         return await asyncio.to_thread(state_at, self.settings, self.session_id, version_or_time)
 
+    async def available_actions(self, at: str | int | datetime | None = None) -> list[str]:
+        """The action mask: the tools whose contracts' preconditions hold in the session's state at a version id,
+        ordinal or time (default: now), with the contracts effective then (docs/contracts.md)."""
+        from treadle.contracts_command import mask, registry  # needs ClickHouse and the CEL engine
+
+        graph = await self.state_at(at if at is not None else datetime.now(UTC))
+        return mask(await registry(self.settings).load(), graph)
+
 
 class AgentStreamSync(_ProducingStreamSync):
     __doc__ = _ProducingStreamSync.__doc__
@@ -47,3 +55,4 @@ class AgentStreamSync(_ProducingStreamSync):
     emitter_class: ClassVar[type[_Emitter]] = AgentStream
     state = blocking(AgentStream.state)
     state_at = blocking(AgentStream.state_at)
+    available_actions = blocking(AgentStream.available_actions)

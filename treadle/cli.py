@@ -702,6 +702,17 @@ def console_command(
         raise UserError(f"cannot serve the console on {host}:{port or s.console_port}: {exc.strerror}") from None
 
 
+def _contracts_commands() -> None:
+    """`treadle contracts ...` and `treadle provenance` (treadle.contracts_command)."""
+    from treadle.contracts_command import contracts_app, provenance
+
+    app.add_typer(contracts_app, name="contracts")
+    app.command("provenance")(provenance)
+
+
+_contracts_commands()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()
