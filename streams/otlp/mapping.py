@@ -6,10 +6,11 @@ trace in the same request, else the trace id. Every id is derived from the trace
 sent twice maps to the same events and the worker drops the copy as a duplicate.
 
 - an `execute_tool` span: ActionDispatched (at the span's start) + ToolResult (at its end; status from the span
-  status, latency from its times); the step's logical_event_id = uuid5(trace:span).
+  status, latency from its times); the step's logical_event_id = uuid5(trace:tool call id), or uuid5(trace:span id)
+  when the span has no gen_ai.tool.call.id.
 - a `chat` / `text_completion` / `generate_content` span: an LlmCall of the step whose tool call it asked for (the
-  first execute_tool sibling in the request that starts after it ended), else of its parent tool span, else of a
-  step id of its own.
+  first tool call id in gen_ai.output.messages; without ids, the first execute_tool sibling in the same request
+  that starts after it ended, else its parent tool span), else of a step id of its own (a final answer).
 - the trace's root span (`invoke_agent`, or any root span carrying gen_ai.* / treadle.* attributes): SESSION_CREATED
   (id from the session, so sent once per session whatever the traces), EPISODE_STARTED, EPISODE_ENDED.
 - `gen_ai.evaluation.result` span events (or evaluation spans) and `treadle.reward.*` attributes: a RewardSignal for
@@ -54,6 +55,7 @@ class Conventions:
     tool_name: str
     tool_arguments: str
     tool_result: str
+    tool_call_id: str
     model: tuple[str, ...]  # first present wins
     provider: tuple[str, ...]
     input_tokens: str
@@ -82,6 +84,7 @@ GENAI = Conventions(
     tool_name="gen_ai.tool.name",
     tool_arguments="gen_ai.tool.call.arguments",
     tool_result="gen_ai.tool.call.result",
+    tool_call_id="gen_ai.tool.call.id",
     model=("gen_ai.response.model", "gen_ai.request.model"),
     provider=("gen_ai.provider.name", "gen_ai.system"),
     input_tokens="gen_ai.usage.input_tokens",
@@ -110,6 +113,7 @@ OPENINFERENCE = Conventions(
     tool_name="tool.name",
     tool_arguments="input.value",
     tool_result="output.value",
+    tool_call_id="tool_call.id",
     model=("llm.model_name",),
     provider=("llm.provider", "llm.system"),
     input_tokens="llm.token_count.prompt",
@@ -247,13 +251,35 @@ def _hex(text: str, digits: int) -> bool:
     return len(text) == digits and all(c in "0123456789abcdef" for c in text) and text.strip("0") != ""
 
 
+def tool_step_id(span: Span, conv: Conventions = GENAI) -> str:
+    """The logical_event_id of the step a tool span is: from its tool call id when it has one (so the chat span that
+    asked for the call finds it in any request), else from its span id."""
+    call_id = span.attributes.get(conv.tool_call_id)
+    if isinstance(call_id, str) and call_id:
+        return derived_id(span.trace_id, "tool_call", call_id)
+    return step_id(span.trace_id, span.span_id)
+
+
+def _requested_calls(span: Span, conv: Conventions) -> list[str]:
+    """The ids of the tool calls an LLM span's output asked for, in order."""
+    if conv is OPENINFERENCE:
+        keys = sorted(k for k in span.attributes if k.startswith("llm.output_messages.") and k.endswith("tool_call.id"))
+        return [str(span.attributes[k]) for k in keys if span.attributes[k]]
+    _, calls = _output(span.attributes.get(conv.output_messages))
+    return [str(c["id"]) for c in calls if isinstance(c, dict) and c.get("id")]
+
+
 def _llm_steps(spans: Sequence[Span], conv: Conventions) -> dict[str, str]:
-    """span id of an LLM span -> the step id it belongs to: the tool call it led to, else its parent tool span."""
+    """span id of a tool span or an LLM span -> its step id. An LLM span belongs to the step of the first tool call
+    its output asked for; without call ids, to the first tool span after it under the same parent in this request,
+    else to its parent tool span; else (a final answer, say) to a step id of its own."""
     tools = sorted((s for s in spans if _op(s, conv) in conv.tool_ops), key=lambda s: (s.start_ns, s.span_id))
-    tool_ids = {s.span_id for s in tools}
-    steps: dict[str, str] = {}
+    steps = {t.span_id: tool_step_id(t, conv) for t in tools}
     for span in spans:
         if _op(span, conv) not in conv.llm_ops:
+            continue
+        if requested := _requested_calls(span, conv):
+            steps[span.span_id] = derived_id(span.trace_id, "tool_call", requested[0])
             continue
         after = next(
             (
@@ -264,9 +290,9 @@ def _llm_steps(spans: Sequence[Span], conv: Conventions) -> dict[str, str]:
             None,
         )
         if after is not None:
-            steps[span.span_id] = step_id(after.trace_id, after.span_id)
-        elif span.parent_span_id in tool_ids:
-            steps[span.span_id] = step_id(span.trace_id, span.parent_span_id)
+            steps[span.span_id] = steps[after.span_id]
+        elif span.parent_span_id in steps:
+            steps[span.span_id] = steps[span.parent_span_id]
     return steps
 
 
@@ -276,7 +302,7 @@ def _map_one(span: Span, kind: str, session: str, conv: Conventions, llm_steps: 
     if kind == "episode":
         return _episode(span, session, agent, policy, conv)
     if kind == "tool":
-        lid = step_id(span.trace_id, span.span_id)
+        lid = llm_steps[span.span_id]
         return _tool(span, lid, session, agent, policy, conv) + _rewards(span, lid, session, agent, policy)
     if kind == "llm":
         lid = llm_steps.get(span.span_id) or step_id(span.trace_id, span.span_id)
@@ -319,8 +345,8 @@ def _tool(span: Span, lid: str, session: str, agent: str, policy: str, conv: Con
         raise _Refused(f"an execute_tool span without {conv.tool_name}")
     arguments = span.attributes.get(conv.tool_arguments)
     params_json = _params_json(arguments)
-    call_id = span.attributes.get("gen_ai.tool.call.id")
-    extra = {"gen_ai.tool.call.id": str(call_id)} if call_id else {}
+    call_id = span.attributes.get(conv.tool_call_id)
+    extra = {"tool_call_id": str(call_id)} if call_id else {}
     dispatch = {
         "envelope": _envelope(span, lid, lid, session, agent, policy, span.start_ns, extra),
         "step": -1,

@@ -79,6 +79,15 @@ def test_a_traced_agent_maps_to_lifecycle_steps_llm_calls_and_a_reward() -> None
     assert reward["evidence"] == "found matching shoes"
 
 
+def test_a_chat_span_finds_the_step_it_asked_for_in_another_request() -> None:
+    spans = decoded(traced_spans())
+    chats = [s for s in spans if s.attributes.get("gen_ai.operation.name") == "chat"]
+    others = [s for s in spans if s not in chats]
+    alone = {e.record["envelope"]["logical_event_id"] for e in map_spans(chats).events}
+    dispatched = {e.record["envelope"]["logical_event_id"] for e in map_spans(others).events if e.schema == DISPATCH}
+    assert alone == dispatched and len(alone) == len(CALLS)
+
+
 def test_protobuf_and_json_bodies_decode_to_the_same_spans() -> None:
     sdk_spans = traced_spans()
     assert decoded(sdk_spans, PROTOBUF) == decoded(sdk_spans, JSON)
