@@ -100,7 +100,7 @@ async def serve(settings: Settings, host: str, port: int, ready: asyncio.Event |
     """Run the receiver on host:port until cancelled."""
     gateway = OtlpGateway(settings)
     await gateway.start()
-    runner = web.AppRunner(otlp_app(gateway), access_log=None)
+    runner = web.AppRunner(otlp_app(gateway), access_log=None, auto_decompress=False)  # decoding caps inflation
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
