@@ -247,8 +247,11 @@ def _check_ids(span: Span) -> None:
         raise _Refused(f"the span ends ({span.end_ns}) before it starts ({span.start_ns})")
 
 
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
 def _hex(text: str, digits: int) -> bool:
-    return len(text) == digits and all(c in "0123456789abcdef" for c in text) and text.strip("0") != ""
+    return len(text) == digits and _HEX_DIGITS.issuperset(text) and text.strip("0") != ""
 
 
 def tool_step_id(span: Span, conv: Conventions = GENAI) -> str:
