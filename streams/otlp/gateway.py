@@ -121,6 +121,11 @@ class OtlpGateway:
         self.spans_accepted = 0
         self.spans_rejected = 0
 
+    @property
+    def pending(self) -> int:
+        """Events handed to the producer that the broker has not acknowledged yet."""
+        return self._emitter.pending if self._emitter is not None else 0
+
     async def start(self) -> None:
         """Start the producer now if the broker answers; if not, the first request tries again."""
         with contextlib.suppress(Busy):

@@ -69,6 +69,7 @@ def otlp_app(gateway: OtlpGateway) -> web.Application:
                 "traces": TRACES_PATH,
                 "spans_accepted": gateway.spans_accepted,
                 "spans_rejected": gateway.spans_rejected,
+                "events_pending": gateway.pending,
             }
         )
 

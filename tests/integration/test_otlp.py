@@ -251,6 +251,7 @@ def test_with_the_broker_stopped_requests_are_retryable_and_nothing_accepted_is_
         kafka_bootstrap_servers=broker.bootstrap_servers,
         topic_prefix="otlpdown",
         partitions=2,
+        otlp_max_pending=5,  # one request's events are more than that
         otlp_ack_timeout_s=3.0,
         otlp_retry_after_s=2,
     )
@@ -276,8 +277,16 @@ def test_with_the_broker_stopped_requests_are_retryable_and_nothing_accepted_is_
         # a fresh broker may take longer than the ack timeout to elect its leaders: retry as an exporter does
         wait_for(lambda: post(receiver.url, before)[0] == 200, 120, "the first request accepted")
         broker.down()
-        status, headers, _ = post(receiver.url, during)
-        assert status == 503 and headers.get("Retry-After") == "2"
+        waiting: list[tuple[int, dict, bytes]] = []
+        first = threading.Thread(target=lambda: waiting.append(post(receiver.url, during)))
+        first.start()
+        root = receiver.url.removesuffix("v1/traces")
+        wait_for(lambda: json.loads(urllib.request.urlopen(root).read())["events_pending"] > 0, 30, "events pending")
+        status, headers, _ = post(receiver.url, traced("too-many"))
+        assert status == 429 and headers.get("Retry-After") == "2", "the producer is backed up: come back later"
+        first.join(60)
+        status, headers, _ = waiting[0]
+        assert status == 503 and headers.get("Retry-After") == "2", "the broker did not acknowledge in time"
         broker.up()
         status = wait_for(lambda: (code := post(receiver.url, during)[0]) == 200 and code, 120, "accepted again")
     ids = asyncio.run(read_event_ids(settings))
