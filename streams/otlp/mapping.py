@@ -336,7 +336,7 @@ def _envelope(
         "event_time": event_time,
         "policy_version": policy,
         "trace_id": span.trace_id,
-        "attributes": {"otel.span_id": span.span_id, **extra},
+        "attributes": {"otel.span_id": span.span_id, "treadle.otlp_mapping": MAPPING_VERSION, **extra},
     }
 
 

@@ -336,3 +336,29 @@ def test_any_spans_map_to_valid_events_or_reasons_and_order_does_not_change_the_
     rnd.shuffle(shuffled)
     ids = sorted(e.record["envelope"]["event_id"] for e in mapped.events)
     assert sorted(e.record["envelope"]["event_id"] for e in map_spans(shuffled).events) == ids
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(spans(), max_size=8), st.integers(min_value=0, max_value=7))
+def test_numbering_gives_each_session_contiguous_steps_and_a_resent_span_its_old_numbers(
+    batch: list[Span], split: int
+) -> None:
+    numbering = SessionNumbering()
+    first, second = map_spans(batch[:split]).events, map_spans(batch[split:]).events
+    numbering.number(first)
+    numbering.number(second)
+    numbers = {e.record["envelope"]["event_id"]: (e.record["envelope"]["seq"], e.record.get("step")) for e in first}
+    numbers.update(
+        {e.record["envelope"]["event_id"]: (e.record["envelope"]["seq"], e.record.get("step")) for e in second}
+    )
+    again = map_spans(batch, known_sessions=numbering.trace_sessions).events
+    numbering.number(again)
+    resent = [e for e in again if e.record["envelope"]["event_id"] in numbers]  # (a trace whose session was learnt
+    for event in resent:  # late maps its first spans anew: the OTLP page says to put the session on every span)
+        env = event.record["envelope"]
+        assert (env["seq"], event.record.get("step")) == numbers[env["event_id"]]
+    steps: dict[str, set[int]] = {}
+    for event in first + second:
+        if event.schema == DISPATCH:
+            steps.setdefault(event.record["envelope"]["session_id"], set()).add(event.record["step"])
+    assert all(found == set(range(len(found))) for found in steps.values())
