@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from streams.otlp.decoding import JSON, PROTOBUF, RequestError, TooLarge, decompress, parse_request, spans_of
-from streams.otlp.mapping import OPENINFERENCE, MappingConfig, map_spans, step_id
+from streams.otlp.mapping import OPENINFERENCE, MappedEvent, MappingConfig, map_spans, step_id
 from streams.otlp.numbering import SessionNumbering
 from streams.otlp.spans import STATUS_ERROR, Span, SpanEvent
 from tests.otlp_agent import CALLS, run_traced_agent, tracer_provider
@@ -347,18 +347,20 @@ def test_numbering_gives_each_session_contiguous_steps_and_a_resent_span_its_old
     first, second = map_spans(batch[:split]).events, map_spans(batch[split:]).events
     numbering.number(first)
     numbering.number(second)
-    numbers = {e.record["envelope"]["event_id"]: (e.record["envelope"]["seq"], e.record.get("step")) for e in first}
-    numbers.update(
-        {e.record["envelope"]["event_id"]: (e.record["envelope"]["seq"], e.record.get("step")) for e in second}
-    )
+    numbers = {_key(e): (e.record["envelope"]["seq"], e.record.get("step")) for e in first}
+    numbers.update({_key(e): (e.record["envelope"]["seq"], e.record.get("step")) for e in second})
     again = map_spans(batch, known_sessions=numbering.trace_sessions).events
     numbering.number(again)
-    resent = [e for e in again if e.record["envelope"]["event_id"] in numbers]  # (a trace whose session was learnt
+    resent = [e for e in again if _key(e) in numbers]  # (a trace whose session was learnt
     for event in resent:  # late maps its first spans anew: the OTLP page says to put the session on every span)
         env = event.record["envelope"]
-        assert (env["seq"], event.record.get("step")) == numbers[env["event_id"]]
+        assert (env["seq"], event.record.get("step")) == numbers[_key(event)]
     steps: dict[str, set[int]] = {}
     for event in first + second:
         if event.schema == DISPATCH:
             steps.setdefault(event.record["envelope"]["session_id"], set()).add(event.record["step"])
     assert all(found == set(range(len(found))) for found in steps.values())
+
+
+def _key(event: MappedEvent) -> tuple[str, str]:
+    return event.record["envelope"]["session_id"], event.record["envelope"]["event_id"]
