@@ -189,10 +189,13 @@ def map_spans(
     """Map one request's spans; `known_sessions` (trace id -> session) is what earlier requests taught."""
     conv = config.conventions
     sessions = dict(known_sessions or {})
-    for span in spans:  # a session named by any span of the trace names the whole trace
+    named: dict[str, tuple[int, str, str]] = {}  # trace -> (start, span id, session) of its earliest naming span
+    for span in spans:  # a session named by a span of the trace names the trace's spans that name none
         value = span.attribute(config.session_key)
         if value not in (None, "") and span.trace_id not in sessions:
-            sessions[span.trace_id] = str(value)
+            candidate = (span.start_ns, span.span_id, str(value))
+            named[span.trace_id] = min(named.get(span.trace_id, candidate), candidate)
+    sessions.update({trace: name for trace, (_, _, name) in named.items()})
     llm_steps = _llm_steps(spans, conv)
     out = MappedSpans()
     for span in spans:
@@ -201,7 +204,8 @@ def map_spans(
             out.skipped += 1
             continue
         try:
-            session = sessions.get(span.trace_id) or span.trace_id
+            own = span.attribute(config.session_key)
+            session = str(own) if own not in (None, "") else sessions.get(span.trace_id) or span.trace_id
             _check_ids(span)
             events = _map_one(span, kind, session, conv, llm_steps)
         except _Refused as exc:
