@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from streams.otlp.numbering import SessionNumbering
 from streams.otlp.spans import Span
 from streams.sdk.emitter import _Emitter
 from streams.sdk.producer import create_producer
-from streams.sdk.types import StreamError
+from streams.sdk.types import ProducerError, StreamError
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.dead_letters import dead_letter
@@ -56,8 +56,8 @@ class ExportResult:
 
 
 class OtlpEmitter(_Emitter):
-    """The SDK's emitter for mapped events: same encoding checks, size limit and partition batches; it tracks the
-    broker's answer per event so each request waits for its own events only."""
+    """The SDK's emitter for mapped events: same encoding checks, size limit and partition batches. Each event gets a
+    future told by the producer's delivery callback, so each request waits for its own events only."""
 
     def __init__(self, settings: Settings, producer: AIOKafkaProducer | None = None) -> None:
         super().__init__(
@@ -69,31 +69,41 @@ class OtlpEmitter(_Emitter):
             codec=None,
             delivery_timeout_s=settings.otlp_ack_timeout_s,
         )
-        self._errors: dict[int, BaseException] = {}
+        self._waiters: dict[int, asyncio.Future[BaseException | None]] = {}
 
     def encode(self, schema: str, record: dict[str, Any]) -> bytes:
         """The record's bytes; ValueError (EventTooLargeError included) when the SDK would refuse it."""
         return self._encode(schema, record)
 
-    def send(self, schema: str, record: dict[str, Any], value: bytes) -> tuple[int, Coroutine[Any, Any, None] | None]:
-        """Hand one encoded event to the producer; its token, and a coroutine to await when its batch was full."""
+    async def send(self, schema: str, record: dict[str, Any], value: bytes) -> int:
+        """Hand one encoded event to the producer (waiting for room when its batch is full); its token."""
         self._check_ready()
         token = self._tokens
-        return token, self._send(schema, record, value)
+        self._waiters[token] = asyncio.get_running_loop().create_future()  # before any delivery can be told
+        try:
+            if (waiting := self._send(schema, record, value)) is not None:
+                await waiting
+        except BaseException:
+            self._waiters.pop(token, None)
+            raise
+        return token
 
     async def acknowledged(self, tokens: Sequence[int], timeout: float) -> str | None:
         """Wait for the broker's answer on these events; None when all were acknowledged, else why not."""
-        batches = {self._pending[t][2].done for t in tokens if t in self._pending}
-        if batches:
-            await asyncio.wait(batches, timeout=timeout)
-        late = [t for t in tokens if t in self._pending]
+        waiters = {t: self._waiters[t] for t in tokens if t in self._waiters}
+        if waiters:
+            await asyncio.wait(waiters.values(), timeout=timeout)
+        late = [t for t, w in waiters.items() if not w.done()]
+        errors = [w.result() for w in waiters.values() if w.done() and w.result() is not None]
+        for token in tokens:
+            self._waiters.pop(token, None)
         for token in late:  # the producer may still deliver them: the exporter's resend is then a duplicate
-            del self._pending[token]
+            self._pending.pop(token, None)
             self._abandoned = True
-        errors = [self._errors.pop(t) for t in tokens if t in self._errors]
-        order = self._sent_order
-        while order and order[0][1] not in self._pending:
-            order.popleft()
+        self._failures.clear()  # told to the exporter through this answer, not through a later call
+        sent_order = getattr(self, "_sent_order", None)  # the SDK's send-time record, pruned as its flush() would
+        while sent_order and sent_order[0][1] not in self._pending:
+            sent_order.popleft()
         if late:
             return f"the broker did not acknowledge {len(late)} events within {timeout}s"
         if errors:
@@ -101,9 +111,10 @@ class OtlpEmitter(_Emitter):
         return None
 
     def _on_delivered(self, token: int, error: BaseException | None) -> None:
-        sent = self._pending.pop(token, None)
-        if sent is not None and error is not None:
-            self._errors[token] = error
+        super()._on_delivered(token, error)
+        waiter = self._waiters.get(token)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(error)
 
 
 class OtlpGateway:
@@ -174,10 +185,11 @@ class OtlpGateway:
         for event, value in encoded:
             if event.span_id in rejected:
                 continue  # a span is mapped whole or not at all
-            token, waiting = emitter.send(event.schema, event.record, value)
-            tokens.append(token)
-            if waiting is not None:
-                await waiting
+            try:
+                tokens.append(await emitter.send(event.schema, event.record, value))
+            except ProducerError as exc:  # the producer refused it outright (closed, ...): retry later
+                await emitter.acknowledged(tokens, 0)
+                raise Busy(f"the producer refused an event: {exc}") from None
         letters = [self._dead_letter_send(span, reason) for span, reason in rejected.values()]
         problem = await emitter.acknowledged(tokens, self.settings.otlp_ack_timeout_s)
         if problem is None and letters:
