@@ -191,6 +191,43 @@ class Settings(BaseModel):
         description="TREADLE_CONSOLE_TOKEN: secret every console request must carry (`Authorization: Bearer`, or "
         "`?token=` once, which sets a cookie); required to bind `treadle console` to a non-loopback address.",
     )
+    otlp_port: int = Field(
+        default=4318,
+        description="TREADLE_OTLP_PORT: port of `treadle otlp`, the OTLP/HTTP receiver (POST /v1/traces; 4318 is "
+        "OTLP/HTTP's usual port).",
+    )
+    otlp_conventions: Literal["genai", "openinference"] = Field(
+        default="genai",
+        description="TREADLE_OTLP_CONVENTIONS: attribute names `treadle otlp` reads: genai = OpenTelemetry's GenAI "
+        "semantic conventions (gen_ai.*), openinference = OpenInference's (Phoenix: openinference.span.kind, ...).",
+    )
+    otlp_session_attribute: str = Field(
+        default="",
+        description="TREADLE_OTLP_SESSION_ATTRIBUTE: span or resource attribute holding the session id; empty = the "
+        "conventions' own (gen_ai.conversation.id, or session.id); a trace without one is a session of its own.",
+    )
+    otlp_max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        gt=0,
+        description="TREADLE_OTLP_MAX_REQUEST_BYTES: largest OTLP request body, compressed or not (HTTP 413 above).",
+    )
+    otlp_max_pending: int = Field(
+        default=20_000,
+        gt=0,
+        description="TREADLE_OTLP_MAX_PENDING: events the receiver may have waiting for the broker's "
+        "acknowledgement; above it requests get HTTP 429 with Retry-After instead of being accepted.",
+    )
+    otlp_ack_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="TREADLE_OTLP_ACK_TIMEOUT_S: how long a request waits for the broker to acknowledge its events; "
+        "past it the answer is HTTP 503 with Retry-After (the exporter resends; the copies are duplicates).",
+    )
+    otlp_retry_after_s: int = Field(
+        default=5,
+        gt=0,
+        description="TREADLE_OTLP_RETRY_AFTER_S: the Retry-After (seconds) of the receiver's 429 and 503 answers.",
+    )
     sink_batch_size: int = Field(
         default=5000,
         description="TREADLE_SINK_BATCH_SIZE: rows per ClickHouse insert: a table's batch is inserted as soon as it "

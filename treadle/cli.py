@@ -702,6 +702,25 @@ def console_command(
         raise UserError(f"cannot serve the console on {host}:{port or s.console_port}: {exc.strerror}") from None
 
 
+@app.command("otlp")
+@friendly
+def otlp_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (anyone who reaches it can send events)."),
+    port: int = typer.Option(None, "--port", help="Port (default TREADLE_OTLP_PORT, 4318)."),
+) -> None:
+    """Receive OpenTelemetry traces (OTLP/HTTP, POST /v1/traces) and turn GenAI spans into treadle events."""
+    try:
+        from streams.otlp.receiver import run_otlp
+    except ImportError as exc:
+        raise UserError(f"`treadle otlp` needs the otlp extra: pip install 'treadle[otlp]' ({exc})") from None
+    s = settings()
+    logging.getLogger("streams.otlp").setLevel(logging.WARNING)
+    try:
+        run_otlp(s, host, port or s.otlp_port)
+    except OSError as exc:
+        raise UserError(f"cannot serve OTLP on {host}:{port or s.otlp_port}: {exc.strerror}") from None
+
+
 def _contracts_commands() -> None:
     """`treadle contracts ...` and `treadle provenance` (treadle.contracts_command)."""
     from treadle.contracts_command import contracts_app, provenance
