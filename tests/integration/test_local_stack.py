@@ -119,7 +119,7 @@ async def test_stack_up_produce_restart_consume_down(own_stack: LocalStack) -> N
     down = stack.down()
     assert not down.kafka.running and not down.valkey.running
     assert not pid_alive(kafka_pid) and not pid_alive(valkey_pid)
-    assert stack.kafka is not None and not stack.kafka.pid_file.path.exists()
+    assert stack.kafka is not None and not stack.kafka.nodes[0].pid_file.path.exists()
 
     restarted = stack.up()
     assert restarted.running and restarted.kafka.pid != kafka_pid
