@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import time
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 
 from sinks.clickhouse import ClickHouseStore
 from sinks.rejected_rows import RejectStage, RowSource
-from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError, StoreOwner, check_store_owner
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DecodeError
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
-from topics.settings import Settings
+from topics.settings import CONSUMER_METADATA_MAX_AGE_MS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class SinkConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         self.assignor = SinkGroupAssignor(SinkIdentity.of(settings))  # one sink per embedded database
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
+        self._consumed: dict[TopicPartition, int] = {}  # next offset per partition read since the last commit
+        self._owner = ""  # StoreOwner.encode() of this sink's database, set by run()
         self.skipped = 0
         # inputs of this batch whose writer schema is not known yet, with where their rows came from
         self._unknown_writer: list[tuple[SourceMessage, RowSource]] = []
@@ -62,6 +65,7 @@ class SinkConsumer:
             fetch_min_bytes=FETCH_MIN_BYTES,
             fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
             partition_assignment_strategy=(self.assignor,),
+            metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
         )
 
     @property
@@ -80,6 +84,9 @@ class SinkConsumer:
         return self.metrics.exposition()
 
     async def run(self) -> None:
+        owner = StoreOwner.of(self.settings)
+        await check_store_owner(self.settings, self.group_id, owner)  # before joining: the owner may be down
+        self._owner = owner.encode()
         consumer = self._consumer = self.consumer()
         await consumer.start()
         try:
@@ -95,10 +102,12 @@ class SinkConsumer:
             batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=self.settings.sink_batch_size)
             if self.assignor.refusal is not None:
                 raise SinkRefusedError(self.assignor.refusal)  # with no partitions: nothing of ours is pending
-            for messages in batches.values():
+            for tp, messages in batches.items():
                 for message in messages:
                     full |= self._add(message)
                     uncommitted = True
+                if messages:
+                    self._consumed[tp] = messages[-1].offset + 1
             if self._unknown_writer:
                 full |= await self._add_after_reload()
             if self.sink.pending and first_buffered is None:
@@ -110,8 +119,16 @@ class SinkConsumer:
                 await self.sink.flush()
                 first_buffered, full = None, False
             if uncommitted and not self.sink.pending:
-                await consumer.commit()
+                await self._commit(consumer)
                 uncommitted = False
+
+    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
+        """Commit what was read, each offset carrying this sink's StoreOwner (sinks.sink_group.check_store_owner)."""
+        assigned = consumer.assignment()
+        offsets = {tp: OffsetAndMetadata(o, self._owner) for tp, o in self._consumed.items() if tp in assigned}
+        self._consumed.clear()
+        if offsets:
+            await consumer.commit(offsets)
 
     async def _add_after_reload(self) -> bool:
         """The batch's inputs of unknown writer schemas, read again after reloading the registry (the worker does the
