@@ -34,6 +34,11 @@ _LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environ
 # and topic limit is the producer's plus a 12-byte batch header allowance, as in Kafka).
 KAFKA_MAX_REQUEST_BYTES = 1_048_576  # producer max_request_size (worker and SDK)
 KAFKA_MAX_MESSAGE_BYTES = 1_048_588  # broker message.max.bytes and every topic's max.message.bytes
+# How often a consumer (worker and sink) refreshes its cluster metadata, instead of aiokafka's 5 minutes: when a
+# partition's leader moves (a broker restarted and the preferred leader took it back), aiokafka's offset reset for a
+# partition without a committed offset retries the old leader on NotLeaderForPartitionError without refreshing, so a
+# worker starting then stalled for up to 5 minutes (bench.chaos on a 3-broker cluster). One small request per 10 s.
+CONSUMER_METADATA_MAX_AGE_MS = 10_000
 
 
 def min_insync_replicas(replication_factor: int) -> int:
