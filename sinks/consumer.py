@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from sinks.clickhouse import ClickHouseStore
@@ -50,13 +50,13 @@ class SinkConsumer:
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
         self._consumed: dict[TopicPartition, int] = {}  # next offset per partition read since the last commit
         self._owner = ""  # StoreOwner.encode() of this sink's database, set by run()
+        self._owner_recorded = False
         self.skipped = 0
         # inputs of this batch whose writer schema is not known yet, with where their rows came from
         self._unknown_writer: list[tuple[SourceMessage, RowSource]] = []
 
     def consumer(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            *self._specs,
+        consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap_servers,
             group_id=self.group_id,
             enable_auto_commit=False,
@@ -67,6 +67,24 @@ class SinkConsumer:
             partition_assignment_strategy=(self.assignor,),
             metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
         )
+        consumer.subscribe(list(self._specs), listener=_RecordOwnerOnAssign(self))
+        return consumer
+
+    async def _record_owner(self, assigned: list[TopicPartition]) -> None:
+        """Commit one assigned partition's current offset again with this sink's StoreOwner, before any row is
+        inserted: a sink killed before its first commit still leaves the record check_store_owner reads."""
+        consumer = self._consumer
+        if consumer is None or self._owner_recorded:
+            return
+        tp = assigned[0]
+        try:
+            offset = await consumer.committed(tp)
+            if offset is None:
+                offset = (await consumer.beginning_offsets([tp]))[tp]
+            await consumer.commit({tp: OffsetAndMetadata(offset, self._owner)})
+            self._owner_recorded = True
+        except Exception as exc:  # e.g. another rebalance began: the first regular commit records it instead
+            log.warning("could not record this sink as the owner of its group's rows yet (%r)", exc)
 
     @property
     def group_id(self) -> str:
@@ -129,6 +147,7 @@ class SinkConsumer:
         self._consumed.clear()
         if offsets:
             await consumer.commit(offsets)
+            self._owner_recorded = True
 
     async def _add_after_reload(self) -> bool:
         """The batch's inputs of unknown writer schemas, read again after reloading the registry (the worker does the
@@ -167,3 +186,17 @@ class SinkConsumer:
         except Exception as exc:
             self.sink.reject(RejectStage.MAP, spec.kind, f"reading the record failed: {exc!r}", row_source)
             return False
+
+
+class _RecordOwnerOnAssign(ConsumerRebalanceListener):
+    """SinkConsumer._record_owner as soon as the group gives this sink partitions."""
+
+    def __init__(self, sink: SinkConsumer) -> None:
+        self.sink = sink
+
+    async def on_partitions_revoked(self, revoked: object) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        if assigned:
+            await self.sink._record_owner(sorted(assigned))

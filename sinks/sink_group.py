@@ -186,8 +186,9 @@ async def check_store_owner(settings: Settings, group_id: str, me: StoreOwner) -
     other = next((o for o in owners if not o.same_database(me) and (o.embedded or me.embedded)), None)
     if other is not None:
         raise SinkRefusedError(
-            f"refused: this sink group's rows are in {other.describe()}, not in this sink's {me.describe()}; a sink "
-            "here would split the rows between two databases: run the sink where that database is (it may be down "
-            f"now), set CLICKHOUSE_URL to a ClickHouse server for several sinks, or, to rebuild every table here on "
+            f"refused: the sink writing {other.describe()} already consumes this sink group (its rows are there; it "
+            "may be down now), and a second sink here would split the rows between two databases; run one sink per "
+            "deployment (TREADLE_SINK=off on the other workers), set CLICKHOUSE_URL to a ClickHouse server to run "
+            f"several, or, to rebuild every table in {me.describe()} on "
             f"purpose, delete the group's offsets (kafka-consumer-groups.sh --delete --group {group_id})"
         )

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import replace
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from sinks.sink_group import SinkGroupAssignor, SinkIdentity, StoreOwner
 from sinks.sql_client import run_sql
@@ -91,6 +92,35 @@ def test_a_newcomer_starting_while_the_embedded_owner_is_down_is_refused(
     back.wait_ready()
     wait_for(lambda: run_sql(deployment, count)[1] == [[2 * SESSIONS]], 90, "every row in the owner's database")
     assert "refused" not in back.log_tail(400)
+
+
+async def recorded_owners(settings: Settings, group: str) -> set[StoreOwner]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {o for m in committed.values() if (o := StoreOwner.decode(m.metadata or "")) is not None}
+
+
+def test_an_owner_killed_before_its_first_insert_is_still_the_owner(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    owner = worker_factory().start()
+    owner.wait_ready()
+    group = f"{deployment.app_id}-clickhouse-sink"
+    recorded = wait_for(lambda: asyncio.run(recorded_owners(deployment, group)), 90, "the owner's record")
+    assert {o.store for o in recorded} == {str((deployment.home / "chdb").resolve())}
+    owner.kill()  # no event was ever sent: nothing inserted, nothing committed but the record
+
+    other = deployment.model_copy(update={"home": tmp_path / "newcomer", "sql_port": deployment.sql_port - 1000})
+    newcomer = worker_factory(other).start()
+    newcomer.wait_ready()
+    refused = wait_for(
+        lambda: "this sink stops: refused:" in newcomer.log_tail(200) and newcomer.log_tail(200), 90, "the refusal"
+    )
+    assert "may be down now" in refused and str((deployment.home / "chdb").resolve()) in refused
 
 
 def test_the_recorded_owner_is_the_database_not_the_host(tmp_path) -> None:
