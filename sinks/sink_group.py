@@ -27,6 +27,8 @@ its volume) stay the owner, and a new folder at the same path is not.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import socket
@@ -40,10 +42,12 @@ from aiokafka.cluster import ClusterMetadata
 from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
+from aiokafka.errors import KafkaError
 
 from topics.settings import Settings
 
 STORE_ID_FILE = "treadle-store-id"
+OWNER_CHECK_ATTEMPTS = 120  # retriable errors (no group coordinator yet) for about a minute
 
 
 class SinkRefusedError(Exception):
@@ -179,7 +183,14 @@ async def check_store_owner(settings: Settings, group_id: str, me: StoreOwner) -
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers, client_id="treadle-sink-owner")
     await admin.start()
     try:
-        committed = await admin.list_consumer_group_offsets(group_id)
+        for attempt in itertools.count():
+            try:
+                committed = await admin.list_consumer_group_offsets(group_id)
+                break
+            except KafkaError as exc:  # a fresh cluster has no coordinator until the offsets topic exists
+                if not exc.retriable or attempt >= OWNER_CHECK_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await admin.close()
     owners = {owner for meta in committed.values() if (owner := StoreOwner.decode(meta.metadata or "")) is not None}
