@@ -110,7 +110,7 @@ def up(
     if s.kafka_brokers > 1 and s.local_kafka:
         console.print(
             f"{s.kafka_brokers} brokers, {s.replication_factor} replicas per topic: export TREADLE_KAFKA_BROKERS="
-            f"{s.kafka_brokers} for the worker, the SDK and `treadle down`"
+            f"{s.kafka_brokers} for the worker and the SDK"
         )
 
 

@@ -418,11 +418,25 @@ class LocalKafka:
         return tail(self.log_path, lines)
 
 
+def formatted_brokers(settings: Settings) -> int | None:
+    """How many local brokers TREADLE_HOME's Kafka data was formatted for (None when there is none yet)."""
+    kafka_dir = settings.home / "kafka"
+    if (kafka_dir / "cluster.id").exists():
+        return 3
+    if (kafka_dir / "data" / "meta.properties").exists():
+        return 1
+    return None
+
+
 class LocalKafkaCluster:
     """The `settings.kafka_brokers` local nodes as one service: started together, stopped together."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.formatted_for = formatted_brokers(settings)
+        if self.formatted_for is not None and self.formatted_for != settings.kafka_brokers:
+            # `down` and `status` follow what TREADLE_HOME holds, so a forgotten TREADLE_KAFKA_BROKERS stops it all
+            settings = settings.model_copy(update={"kafka_brokers": self.formatted_for})
         self.nodes = [LocalKafka(settings, node_id) for node_id in range(1, settings.kafka_brokers + 1)]
 
     @property
@@ -450,8 +464,18 @@ class LocalKafkaCluster:
             + (f"; down: {', '.join(down)})" if down else ")"),
         )
 
+    def check_shape(self) -> None:
+        """StackError when TREADLE_HOME's Kafka data was formatted for another number of brokers."""
+        if self.formatted_for is not None and self.formatted_for != self.settings.kafka_brokers:
+            raise StackError(
+                f"{self.nodes[0].cluster_dir} holds the data of {self.formatted_for} local broker(s), not "
+                f"{self.settings.kafka_brokers}: set TREADLE_KAFKA_BROKERS={self.formatted_for} (`treadle up --brokers "
+                f"{self.formatted_for}`), or use another TREADLE_HOME"
+            )
+
     def up(self, timeout: float = 120.0) -> ServiceStatus:
         """Spawn every node that is not running, then wait for each (a node answers once a quorum runs)."""
+        self.check_shape()
         started: list[tuple[LocalKafka, tuple[int, tuple[int, int]]]] = []
         try:
             for node in self.nodes:
@@ -461,7 +485,7 @@ class LocalKafkaCluster:
             for node, spawned in started:
                 node.wait_ready(spawned, timeout)
         except StackError:
-            for node in self.nodes:
+            for node, _ in started:  # what this call started; nodes that ran before keep running
                 node.down(timeout=10)
             raise
         return self.status()

@@ -52,6 +52,8 @@ class LocalStack:
 
     def up(self) -> StackStatus:
         """Start what is local and not yet running; Valkey first since it takes a fraction of a second."""
+        if self.kafka:
+            self.kafka.check_shape()  # before Valkey starts: a refused `up` leaves nothing running
         valkey = self.valkey.up() if self.valkey else self._valkey_external()
         kafka = self.kafka.up() if self.kafka else self._kafka_external()
         return StackStatus(kafka=kafka, valkey=valkey)
