@@ -144,10 +144,10 @@ class SinkConsumer:
         """Commit what was read, each offset carrying this sink's StoreOwner (sinks.sink_group.check_store_owner)."""
         assigned = consumer.assignment()
         offsets = {tp: OffsetAndMetadata(o, self._owner) for tp, o in self._consumed.items() if tp in assigned}
-        self._consumed.clear()
         if offsets:
             await consumer.commit(offsets)
             self._owner_recorded = True
+        self._consumed.clear()  # also what was read from partitions revoked since
 
     async def _add_after_reload(self) -> bool:
         """The batch's inputs of unknown writer schemas, read again after reloading the registry (the worker does the
