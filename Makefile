@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 CARGO ?= $(shell command -v cargo 2>/dev/null || ls $(HOME)/.cargo/bin/cargo 2>/dev/null)
 NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 
-.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-smoke bench-weaving up down clean
+.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-smoke bench-weaving chaos up down clean
 
 install: $(VENV)/.installed $(VENV)/.native
 
@@ -64,6 +64,10 @@ bench-smoke: install
 	$(BIN)/python -m bench.run --quick --strict
 	$(BIN)/python -m bench.weaving_bench --quick --only throughput --only latency --duration 10
 	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
+
+# Issue #25: kills of the worker, the sink, a broker (3-broker cluster) and Valkey under load; every table checked.
+chaos: install
+	$(BIN)/python -m bench.chaos --events 50000 --faults 12
 
 # Issue #3: reward weaving throughput on one core, latency at 5,000 events/s, a 10-minute RSS soak (~15 min).
 bench-weaving: install

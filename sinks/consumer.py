@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import time
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
 
 from sinks.clickhouse import ClickHouseStore
 from sinks.rejected_rows import RejectStage, RowSource
-from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError, StoreOwner, check_store_owner
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec, DecodeError
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
-from topics.settings import Settings
+from topics.settings import CONSUMER_METADATA_MAX_AGE_MS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,15 @@ class SinkConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         self.assignor = SinkGroupAssignor(SinkIdentity.of(settings))  # one sink per embedded database
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
+        self._consumed: dict[TopicPartition, int] = {}  # next offset per partition read since the last commit
+        self._owner = ""  # StoreOwner.encode() of this sink's database, set by run()
+        self._owner_recorded = False
         self.skipped = 0
         # inputs of this batch whose writer schema is not known yet, with where their rows came from
         self._unknown_writer: list[tuple[SourceMessage, RowSource]] = []
 
     def consumer(self) -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(
-            *self._specs,
+        consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap_servers,
             group_id=self.group_id,
             enable_auto_commit=False,
@@ -62,7 +65,26 @@ class SinkConsumer:
             fetch_min_bytes=FETCH_MIN_BYTES,
             fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
             partition_assignment_strategy=(self.assignor,),
+            metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
         )
+        consumer.subscribe(list(self._specs), listener=_RecordOwnerOnAssign(self))
+        return consumer
+
+    async def _record_owner(self, assigned: list[TopicPartition]) -> None:
+        """Commit one assigned partition's current offset again with this sink's StoreOwner, before any row is
+        inserted: a sink killed before its first commit still leaves the record check_store_owner reads."""
+        consumer = self._consumer
+        if consumer is None or self._owner_recorded:
+            return
+        tp = assigned[0]
+        try:
+            offset = await consumer.committed(tp)
+            if offset is None:
+                offset = (await consumer.beginning_offsets([tp]))[tp]
+            await consumer.commit({tp: OffsetAndMetadata(offset, self._owner)})
+            self._owner_recorded = True
+        except Exception as exc:  # e.g. another rebalance began: the first regular commit records it instead
+            log.warning("could not record this sink as the owner of its group's rows yet (%r)", exc)
 
     @property
     def group_id(self) -> str:
@@ -80,6 +102,9 @@ class SinkConsumer:
         return self.metrics.exposition()
 
     async def run(self) -> None:
+        owner = StoreOwner.of(self.settings)
+        await check_store_owner(self.settings, self.group_id, owner)  # before joining: the owner may be down
+        self._owner = owner.encode()
         consumer = self._consumer = self.consumer()
         await consumer.start()
         try:
@@ -95,10 +120,12 @@ class SinkConsumer:
             batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=self.settings.sink_batch_size)
             if self.assignor.refusal is not None:
                 raise SinkRefusedError(self.assignor.refusal)  # with no partitions: nothing of ours is pending
-            for messages in batches.values():
+            for tp, messages in batches.items():
                 for message in messages:
                     full |= self._add(message)
                     uncommitted = True
+                if messages:
+                    self._consumed[tp] = messages[-1].offset + 1
             if self._unknown_writer:
                 full |= await self._add_after_reload()
             if self.sink.pending and first_buffered is None:
@@ -110,8 +137,17 @@ class SinkConsumer:
                 await self.sink.flush()
                 first_buffered, full = None, False
             if uncommitted and not self.sink.pending:
-                await consumer.commit()
+                await self._commit(consumer)
                 uncommitted = False
+
+    async def _commit(self, consumer: AIOKafkaConsumer) -> None:
+        """Commit what was read, each offset carrying this sink's StoreOwner (sinks.sink_group.check_store_owner)."""
+        assigned = consumer.assignment()
+        offsets = {tp: OffsetAndMetadata(o, self._owner) for tp, o in self._consumed.items() if tp in assigned}
+        if offsets:
+            await consumer.commit(offsets)
+            self._owner_recorded = True
+        self._consumed.clear()  # also what was read from partitions revoked since
 
     async def _add_after_reload(self) -> bool:
         """The batch's inputs of unknown writer schemas, read again after reloading the registry (the worker does the
@@ -150,3 +186,17 @@ class SinkConsumer:
         except Exception as exc:
             self.sink.reject(RejectStage.MAP, spec.kind, f"reading the record failed: {exc!r}", row_source)
             return False
+
+
+class _RecordOwnerOnAssign(ConsumerRebalanceListener):
+    """SinkConsumer._record_owner as soon as the group gives this sink partitions."""
+
+    def __init__(self, sink: SinkConsumer) -> None:
+        self.sink = sink
+
+    async def on_partitions_revoked(self, revoked: object) -> None:
+        return None
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        if assigned:
+            await self.sink._record_owner(sorted(assigned))

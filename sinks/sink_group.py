@@ -15,10 +15,20 @@ its join metadata; when one of them is embedded the leader keeps every partition
 none, with the reason in its assignment, which SinkGroupAssignor.refusal exposes and the sink raises as
 SinkRefusedError. With servers only it assigns round robin, as aiokafka's default would. Every sink of a group
 must run this assignor: the broker refuses a member that offers another one (INCONSISTENT_GROUP_PROTOCOL).
+
+The assignor sees only the members present: a newcomer that starts while the owner is down is alone, and would
+take the group over into a database of its own. So the owner is also recorded where it outlives its process: each
+commit carries a StoreOwner (which database its rows went to) as the offsets' metadata, and a sink reads the
+group's committed metadata before it joins (check_store_owner). A group whose rows went to an embedded database
+other than this sink's, or to any database when this sink's is embedded, refuses it. An embedded database is known
+by an id kept inside its folder (store_id), so the same files under another host name (a container recreated on
+its volume) stay the owner, and a new folder at the same path is not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import socket
@@ -27,12 +37,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.cluster import ClusterMetadata
 from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
 from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
+from aiokafka.errors import KafkaError
 
 from topics.settings import Settings
+
+STORE_ID_FILE = "treadle-store-id"
+OWNER_CHECK_ATTEMPTS = 120  # retriable errors (no group coordinator yet) for about a minute
 
 
 class SinkRefusedError(Exception):
@@ -116,3 +131,75 @@ def refusal_reason(owner: SinkIdentity | None) -> str:
         "split the rows between two databases; run one sink per deployment (TREADLE_SINK=off on the other "
         "workers), or set CLICKHOUSE_URL to a ClickHouse server to run several"
     )
+
+
+def store_id(settings: Settings) -> str:
+    """The embedded database's own id, made once inside its folder (it moves and disappears with the files)."""
+    path = settings.chdb_path / STORE_ID_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(uuid.uuid4().hex + "\n")
+    return path.read_text().strip()
+
+
+@dataclass(frozen=True)
+class StoreOwner:
+    """The database a sink group's rows went to, recorded with every commit (the offsets' metadata)."""
+
+    embedded: bool
+    store: str  # as SinkIdentity.store
+    store_id: str  # store_id() of an embedded database; "" for a server
+    host: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> StoreOwner:
+        identity = SinkIdentity.of(settings)
+        embedded = identity.embedded
+        return cls(embedded, identity.store, store_id(settings) if embedded else "", identity.host)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, metadata: str) -> StoreOwner | None:
+        try:
+            return cls(**json.loads(metadata))
+        except (ValueError, TypeError):
+            return None  # no metadata: committed by an older sink, or by hand
+
+    def same_database(self, other: StoreOwner) -> bool:
+        return self.embedded == other.embedded and (
+            self.store_id == other.store_id if self.embedded else self.store == other.store
+        )
+
+    def describe(self) -> str:
+        kind = "embedded chDB" if self.embedded else "ClickHouse server"
+        return f"{kind} {self.store} on {self.host}"
+
+
+async def check_store_owner(settings: Settings, group_id: str, me: StoreOwner) -> None:
+    """Raise SinkRefusedError when the group's committed offsets say its rows went to another database and one of
+    the two is embedded: the rows would split (the owner may be down now, so the assignor cannot see it)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers, client_id="treadle-sink-owner")
+    await admin.start()
+    try:
+        for attempt in itertools.count():
+            try:
+                committed = await admin.list_consumer_group_offsets(group_id)
+                break
+            except KafkaError as exc:  # a fresh cluster has no coordinator until the offsets topic exists
+                if not exc.retriable or attempt >= OWNER_CHECK_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
+    owners = {owner for meta in committed.values() if (owner := StoreOwner.decode(meta.metadata or "")) is not None}
+    other = next((o for o in owners if not o.same_database(me) and (o.embedded or me.embedded)), None)
+    if other is not None:
+        raise SinkRefusedError(
+            f"refused: the sink writing {other.describe()} already consumes this sink group (its rows are there; it "
+            "may be down now), and a second sink here would split the rows between two databases; run one sink per "
+            "deployment (TREADLE_SINK=off on the other workers), set CLICKHOUSE_URL to a ClickHouse server to run "
+            f"several, or, to rebuild every table in {me.describe()} on "
+            f"purpose, delete the group's offsets (kafka-consumer-groups.sh --delete --group {group_id})"
+        )

@@ -15,7 +15,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import TopicAlreadyExistsError
 
 from topics.catalog import TopicCatalog, TopicSpec
-from topics.settings import KAFKA_MAX_MESSAGE_BYTES, KAFKA_MAX_REQUEST_BYTES
+from topics.settings import KAFKA_MAX_MESSAGE_BYTES, KAFKA_MAX_REQUEST_BYTES, min_insync_replicas
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,13 @@ async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> tup
 
 def _configs(spec: TopicSpec) -> dict[str, str]:
     """The spec's topic configs, with the record limit every treadle producer is set to (topics/settings.py), so a
-    cluster whose default is lower refuses nothing a worker or the SDK sends."""
-    return {"max.message.bytes": str(KAFKA_MAX_MESSAGE_BYTES), **spec.config}
+    cluster whose default is lower refuses nothing a worker or the SDK sends, and the in-sync replicas an acks=all
+    write needs (2 of 3: one broker may be down; min_insync_replicas)."""
+    return {
+        "max.message.bytes": str(KAFKA_MAX_MESSAGE_BYTES),
+        "min.insync.replicas": str(min_insync_replicas(spec.replication_factor)),
+        **spec.config,
+    }
 
 
 async def _check_record_limits(admin: AIOKafkaAdminClient, names: list[str]) -> None:

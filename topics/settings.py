@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, SecretStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _ENV_NAMES = {
     "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
@@ -25,6 +34,17 @@ _LIST_FIELDS = {"processors", "gc_thresholds"}  # comma-separated in the environ
 # and topic limit is the producer's plus a 12-byte batch header allowance, as in Kafka).
 KAFKA_MAX_REQUEST_BYTES = 1_048_576  # producer max_request_size (worker and SDK)
 KAFKA_MAX_MESSAGE_BYTES = 1_048_588  # broker message.max.bytes and every topic's max.message.bytes
+# How often a consumer (worker and sink) refreshes its cluster metadata, instead of aiokafka's 5 minutes: when a
+# partition's leader moves (a broker restarted and the preferred leader took it back), aiokafka's offset reset for a
+# partition without a committed offset retries the old leader on NotLeaderForPartitionError without refreshing, so a
+# worker starting then stalled for up to 5 minutes (bench.chaos on a 3-broker cluster). One small request per 10 s.
+CONSUMER_METADATA_MAX_AGE_MS = 10_000
+
+
+def min_insync_replicas(replication_factor: int) -> int:
+    """Replicas an acks=all write needs in sync: 2 of 3 (one broker may be down, an acknowledged record is on two);
+    1 below 3 replicas, where 2 would stop writes whenever one broker is."""
+    return 2 if replication_factor >= 3 else 1
 
 
 def env_var(field: str) -> str:
@@ -54,6 +74,12 @@ class Settings(BaseModel):
     )
     kafka_version: str = Field(
         default="4.1.1", description="TREADLE_KAFKA_VERSION: Apache Kafka version the local stack runs."
+    )
+    kafka_brokers: int = Field(
+        default=1,
+        description="TREADLE_KAFKA_BROKERS: brokers of the local Kafka (`treadle up --brokers 3`): 3 is a KRaft "
+        "cluster on KAFKA_BOOTSTRAP_SERVERS' port and the next two even ones, topics get 3 replicas (2 in sync); set "
+        "it for every treadle command then.",
     )
     local_kafka: bool = Field(
         default=True,
@@ -379,6 +405,31 @@ class Settings(BaseModel):
             if value is not None:
                 env[env_var(field)] = str(int(value) if isinstance(value, bool) else value)
         return env
+
+    @field_validator("kafka_brokers")
+    @classmethod
+    def _one_or_three(cls, value: int) -> int:
+        if value not in (1, 3):
+            raise ValueError("1 (one broker) or 3 (a KRaft cluster of three)")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_cluster(cls, values: Any) -> Any:
+        """With a local 3-broker cluster: its three addresses to bootstrap from (any one may be down) and 3 replicas
+        per topic, unless KAFKA_BOOTSTRAP_SERVERS / TREADLE_REPLICATION_FACTOR say otherwise."""
+        if not isinstance(values, dict) or str(values.get("kafka_brokers", 1)).strip() != "3":
+            return values  # one broker, or a count the field's own check refuses
+        if str(values.get("local_kafka", True)).lower() in ("0", "false"):
+            return values
+        brokers = int(values["kafka_brokers"])
+        values = dict(values)
+        servers = str(values.get("kafka_bootstrap_servers", cls.model_fields["kafka_bootstrap_servers"].default))
+        host, _, port = servers.strip().rpartition(":")
+        if "," not in servers and port.isdigit():
+            values["kafka_bootstrap_servers"] = ",".join(f"{host}:{int(port) + 2 * i}" for i in range(brokers))
+        values.setdefault("replication_factor", min(3, brokers))
+        return values
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> Settings:

@@ -91,18 +91,27 @@ def settings() -> Settings:
 
 @app.command()
 @friendly
-def up() -> None:
+def up(
+    brokers: int = typer.Option(
+        0, help="Local Kafka brokers: 1, or 3 for a KRaft cluster (replication 3, 2 in sync); TREADLE_KAFKA_BROKERS."
+    ),
+) -> None:
     """Start the local stack: Kafka (KRaft) and Valkey; create topics and register schemas."""
     from streams.runtime.worker import prepare_cluster
     from treadle.devstack.stack import LocalStack
 
-    s = settings()
+    s = Settings.from_env(kafka_brokers=brokers) if brokers else settings()
     with console.status("starting Kafka and Valkey (the first run downloads Kafka's jars)…"):
         status = LocalStack(s).up()
     _print_status(status)
     with console.status("creating topics and registering schemas…"):
         asyncio.run(prepare_cluster(s))
     console.print(f"topics ready ({s.partitions} partitions each); ClickHouse: {_clickhouse_target(s)}")
+    if s.kafka_brokers > 1 and s.local_kafka:
+        console.print(
+            f"{s.kafka_brokers} brokers, {s.replication_factor} replicas per topic: export TREADLE_KAFKA_BROKERS="
+            f"{s.kafka_brokers} for the worker and the SDK"
+        )
 
 
 def _clickhouse_target(s: Settings) -> str:

@@ -32,7 +32,7 @@ from topics.intake import Accepted, Intake, Rejected, SourceMessage
 from topics.names import DEAD_LETTER
 from topics.output_size import fit
 from topics.publish_checks import publishable_topics
-from topics.settings import KAFKA_MAX_REQUEST_BYTES, Settings
+from topics.settings import CONSUMER_METADATA_MAX_AGE_MS, KAFKA_MAX_REQUEST_BYTES, Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
 
@@ -214,6 +214,7 @@ def build_pipeline(
         # Kafka's default, said out loud: topics and the local broker take this much (topics.settings), and
         # every output fits well within it (TREADLE_MAX_EVENT_BYTES, topics.output_size).
         producer_max_request_size=KAFKA_MAX_REQUEST_BYTES,
+        consumer_metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
     )
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:

@@ -348,6 +348,11 @@ class BatchingProducer(faust_aiokafka.Producer):
 
     _batcher: PartitionBatcher | None = None
 
+    def _settings_extra(self) -> Mapping[str, Any]:
+        """acks=all and idempotence, as the SDK's producer: Faust sets them only for exactly-once, so a retried
+        batch (a leader failover mid-request) could be written twice or out of order within its partition."""
+        return {**super()._settings_extra(), "acks": "all", "enable_idempotence": True}
+
     async def append(
         self, topic: str, partition: int, key: bytes | None, value: bytes | None, owner: DeliveryCallback, token: int
     ) -> None:

@@ -119,7 +119,7 @@ async def test_stack_up_produce_restart_consume_down(own_stack: LocalStack) -> N
     down = stack.down()
     assert not down.kafka.running and not down.valkey.running
     assert not pid_alive(kafka_pid) and not pid_alive(valkey_pid)
-    assert stack.kafka is not None and not stack.kafka.pid_file.path.exists()
+    assert stack.kafka is not None and not stack.kafka.nodes[0].pid_file.path.exists()
 
     restarted = stack.up()
     assert restarted.running and restarted.kafka.pid != kafka_pid
@@ -274,3 +274,15 @@ def test_chdb_lock_names_the_holding_pid(tmp_path: Path) -> None:
         if holder.stdout is not None:
             holder.stdout.close()
     assert explain_locked_path(path) is None  # status file left behind, but nobody holds it
+
+
+def test_a_home_formatted_for_three_brokers_is_not_started_as_one_and_is_stopped_as_three(tmp_path: Path) -> None:
+    cluster_dir = tmp_path / "kafka"
+    cluster_dir.mkdir()
+    (cluster_dir / "cluster.id").write_text("x\n")  # what `treadle up --brokers 3` leaves
+    stack = LocalStack(make_settings(tmp_path))
+    with pytest.raises(StackError, match="TREADLE_KAFKA_BROKERS=3"):
+        stack.up()
+    assert stack.valkey is not None and stack.valkey.pid() is None  # refused before anything started
+    assert stack.kafka is not None and [n.name for n in stack.kafka.nodes] == ["kafka-1", "kafka-2", "kafka-3"]
+    assert stack.down().kafka.detail.endswith("(KRaft, 3 nodes; down: kafka-1, kafka-2, kafka-3)")

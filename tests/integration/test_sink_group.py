@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 
-from sinks.sink_group import SinkGroupAssignor, SinkIdentity
+from sinks.sink_group import SinkGroupAssignor, SinkIdentity, StoreOwner
 from sinks.sql_client import run_sql
 from tests.factories import RawProducer, dispatch, treadle, wait_for
 from topics.catalog import TopicCatalog
@@ -55,6 +57,79 @@ def test_a_second_embedded_sink_is_refused_and_all_rows_land_in_one_database(
     assert "runs without a sink" in done.stderr and "query where that sink runs" in done.stderr
     second.stop()
     assert run_sql(other, count)[1] == [[0]]  # the refused sink wrote nothing to its own database
+
+
+def test_a_newcomer_starting_while_the_embedded_owner_is_down_is_refused(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    owner = worker_factory().start()
+    owner.wait_ready()
+    prefix = f"s-down-{uuid7()[:8]}"
+
+    async def send(first: int, last: int) -> None:
+        async with RawProducer(deployment) as producer:
+            for i in range(first, last):
+                await producer.send("treadle.events.ActionDispatched", dispatch(f"{prefix}-{i}", uuid7(), 0, 1))
+            await producer.flush()
+
+    count = f"SELECT count() FROM transitions_latest WHERE startsWith(session_id, '{prefix}')"
+    asyncio.run(send(0, SESSIONS))
+    wait_for(lambda: run_sql(deployment, count)[1] == [[SESSIONS]], 90, "the owner's rows")
+    owner.stop()  # the owner is down: the group has no member that could tell a newcomer no
+
+    other = deployment.model_copy(update={"home": tmp_path / "newcomer", "sql_port": deployment.sql_port - 1000})
+    newcomer = worker_factory(other).start()
+    newcomer.wait_ready()
+    refused = wait_for(
+        lambda: "this sink stops: refused:" in newcomer.log_tail(200) and newcomer.log_tail(200), 90, "the refusal"
+    )
+    assert str((deployment.home / "chdb").resolve()) in refused and "CLICKHOUSE_URL" in refused
+    asyncio.run(send(SESSIONS, 2 * SESSIONS))  # arrives while only the refused newcomer runs
+    newcomer.stop()
+    assert run_sql(other, count)[1] == [[0]]
+
+    back = worker_factory().start()  # the owner again, same database: it is not refused and gets the rest
+    back.wait_ready()
+    wait_for(lambda: run_sql(deployment, count)[1] == [[2 * SESSIONS]], 90, "every row in the owner's database")
+    assert "refused" not in back.log_tail(400)
+
+
+async def recorded_owners(settings: Settings, group: str) -> set[StoreOwner]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {o for m in committed.values() if (o := StoreOwner.decode(m.metadata or "")) is not None}
+
+
+def test_an_owner_killed_before_its_first_insert_is_still_the_owner(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    owner = worker_factory().start()
+    owner.wait_ready()
+    group = f"{deployment.app_id}-clickhouse-sink"
+    recorded = wait_for(lambda: asyncio.run(recorded_owners(deployment, group)), 90, "the owner's record")
+    assert {o.store for o in recorded} == {str((deployment.home / "chdb").resolve())}
+    owner.kill()  # no event was ever sent: nothing inserted, nothing committed but the record
+
+    other = deployment.model_copy(update={"home": tmp_path / "newcomer", "sql_port": deployment.sql_port - 1000})
+    newcomer = worker_factory(other).start()
+    newcomer.wait_ready()
+    refused = wait_for(
+        lambda: "this sink stops: refused:" in newcomer.log_tail(200) and newcomer.log_tail(200), 90, "the refusal"
+    )
+    assert "may be down now" in refused and str((deployment.home / "chdb").resolve()) in refused
+
+
+def test_the_recorded_owner_is_the_database_not_the_host(tmp_path) -> None:
+    settings = Settings(home=tmp_path / "a")
+    mine = StoreOwner.of(settings)
+    assert StoreOwner.decode(mine.encode()) == mine
+    assert mine.same_database(replace(mine, host="another-container"))  # same files, recreated container
+    assert not mine.same_database(StoreOwner.of(Settings(home=tmp_path / "b")))
+    assert StoreOwner.decode("") is None and StoreOwner.decode("not json") is None
 
 
 # --- the assignor alone, against the real broker: which member consumes ---------------------------------------------

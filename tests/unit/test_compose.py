@@ -261,3 +261,25 @@ def test_latency_panels_show_p50_p95_p99() -> None:
 def test_vendored_schema_is_the_one_its_readme_names() -> None:
     notes = (SCHEMA.parent / "README.md").read_text()
     assert hashlib.sha256(SCHEMA.read_bytes()).hexdigest() in notes, "update tests/data/README.md with the new file"
+
+
+def test_the_local_three_broker_cluster_matches_the_compose_brokers(
+    services: dict[str, dict[str, Any]], tmp_path
+) -> None:
+    """`treadle up --brokers 3` writes the replication, in-sync and record-size limits of compose.yaml's brokers."""
+    from topics.settings import KAFKA_MAX_MESSAGE_BYTES, min_insync_replicas
+    from treadle.devstack.kafka import LocalKafka
+
+    settings = Settings(home=tmp_path, kafka_brokers=3)
+    assert settings.kafka_bootstrap_servers == "127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096"
+    node = LocalKafka(settings, node_id=2)
+    node._write_config()
+    props = dict(line.split("=", 1) for line in node.config_path.read_text().splitlines() if "=" in line)
+    assert props["node.id"] == "2" and props["listeners"].startswith("PLAINTEXT://127.0.0.1:19094,")
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:19093,2@127.0.0.1:19095,3@127.0.0.1:19097"
+    for name in KAFKA_SERVICES:
+        env = _env(services[name])
+        assert props["default.replication.factor"] == str(env["KAFKA_DEFAULT_REPLICATION_FACTOR"]) == "3"
+        assert props["min.insync.replicas"] == str(env["KAFKA_MIN_INSYNC_REPLICAS"]) == str(min_insync_replicas(3))
+        assert props["message.max.bytes"] == env["KAFKA_MESSAGE_MAX_BYTES"] == str(KAFKA_MAX_MESSAGE_BYTES)
+        assert props["replica.fetch.max.bytes"] == env["KAFKA_REPLICA_FETCH_MAX_BYTES"] == str(KAFKA_MAX_MESSAGE_BYTES)

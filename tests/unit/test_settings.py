@@ -55,3 +55,18 @@ def test_every_environment_variable_is_on_the_configuration_page() -> None:
     variables.add(native_codec.ENV)  # read by the codec itself, which the SDK uses without settings
     assert variables - documented == set(), "regenerate docs/configuration.md (python -m topics.settings_doc)"
     assert documented - variables == set(), "docs/configuration.md documents variables that no longer exist"
+
+
+def test_a_local_three_broker_cluster_lists_every_node_and_replicates_three_times() -> None:
+    from topics.settings import min_insync_replicas
+
+    cluster = Settings.from_env({"TREADLE_KAFKA_BROKERS": "3", "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:18112"})
+    assert cluster.kafka_bootstrap_servers == "127.0.0.1:18112,127.0.0.1:18114,127.0.0.1:18116"
+    assert cluster.replication_factor == 3 and min_insync_replicas(cluster.replication_factor) == 2
+    assert Settings.from_env(cluster.to_env()) == cluster  # a worker's environment reproduces it
+    chosen = Settings.from_env({"TREADLE_KAFKA_BROKERS": "3", "TREADLE_REPLICATION_FACTOR": "2"})
+    assert chosen.replication_factor == 2 and min_insync_replicas(2) == 1
+    external = Settings.from_env({"TREADLE_KAFKA_BROKERS": "3", "TREADLE_LOCAL_KAFKA": "0"})
+    assert external.replication_factor == 1 and "," not in external.kafka_bootstrap_servers
+    with pytest.raises(InvalidSettingError, match="TREADLE_KAFKA_BROKERS='2'"):
+        Settings.from_env({"TREADLE_KAFKA_BROKERS": "2"})

@@ -1,9 +1,11 @@
-"""A single-node KRaft Apache Kafka broker that treadle runs itself.
+"""The KRaft Apache Kafka brokers that treadle runs itself: one node, or a cluster of three.
 
 No Kafka package exists for this platform and the PyPI broker wheels lose data across restarts, so
 the real broker is run from Maven Central jars: resolved once with Maven into a cache folder, the
 storage formatted on first start only, and the JVM started detached so it outlives `treadle up`.
-Data lives under TREADLE_HOME/kafka/data and survives restarts.
+One broker keeps its data under TREADLE_HOME/kafka/data; a cluster (TREADLE_KAFKA_BROKERS=3) runs
+combined broker+controller nodes under TREADLE_HOME/kafka/node-<id>, node i on the ports of node 1
+plus 2*(i-1), sharing one cluster id so the three form one KRaft quorum (LocalKafkaCluster).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -37,7 +41,7 @@ from streams.runtime.processes import (
     stop_pid,
     tail,
 )
-from topics.settings import KAFKA_MAX_MESSAGE_BYTES, Settings
+from topics.settings import KAFKA_MAX_MESSAGE_BYTES, Settings, min_insync_replicas
 
 POM = Path(str(resources.files("treadle.devstack") / "pom.xml"))  # package data: Kafka's jars, for Maven
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
@@ -102,28 +106,38 @@ def java_major_version(java: str) -> int | None:
 
 
 class LocalKafka:
-    """Start, stop and inspect the local broker described by `settings`."""
+    """Start, stop and inspect one local broker described by `settings`: the only one, or node `node_id` of
+    the `settings.kafka_brokers` nodes of a local cluster."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, node_id: int = 1) -> None:
         self.settings = settings
-        self.host, self.port = self._local_address(settings)
-        self.controller_port = settings.kafka_controller_port
-        self.dir = (settings.home / "kafka").resolve()  # absolute: the JVM keeps the caller's cwd
+        self.node_id = node_id
+        self.nodes = settings.kafka_brokers
+        host, first_port = self._local_address(settings)
+        step = 2 * (node_id - 1)  # node i: 19092+2(i-1) and 19093+2(i-1), as compose.yaml's host ports
+        self.host, self.port = host, first_port + step
+        self.controller_port = settings.kafka_controller_port + step
+        kafka_dir = (settings.home / "kafka").resolve()  # absolute: the JVM keeps the caller's cwd
+        self.cluster_dir = kafka_dir
+        self.dir = kafka_dir if self.nodes == 1 else kafka_dir / f"node-{node_id}"
+        self.name = "kafka" if self.nodes == 1 else f"kafka-{node_id}"
         self.data_dir = self.dir / "data"
         self.config_path = self.dir / "server.properties"
         self.log4j_path = self.dir / "log4j2.properties"
         self.pid_file = PidFile(self.dir / "kafka.pid", self._is_ours)
         self.logs_dir = settings.logs_dir.resolve()
-        self.log_path = self.logs_dir / "kafka.log"
-        self.stdout_path = self.logs_dir / "kafka.stdout.log"
+        self.log_path = self.logs_dir / f"{self.name}.log"
+        self.stdout_path = self.logs_dir / f"{self.name}.stdout.log"
         self.cache_dir = settings.cache_dir.resolve()
         self.libs_dir = self.cache_dir / f"kafka-{settings.kafka_version}" / "libs"
 
     @staticmethod
     def _local_address(settings: Settings) -> tuple[str, int]:
+        """Node 1's address: the first of KAFKA_BOOTSTRAP_SERVERS (a cluster's settings list every node)."""
         servers = settings.kafka_bootstrap_servers.strip()
-        host, _, port = servers.rpartition(":")
-        if "," in servers or host not in LOCAL_HOSTS or not port.isdigit():
+        first = servers.split(",")[0]
+        host, _, port = first.rpartition(":")
+        if ("," in servers and settings.kafka_brokers == 1) or host not in LOCAL_HOSTS or not port.isdigit():
             raise StackError(
                 f"KAFKA_BOOTSTRAP_SERVERS={servers} is not a single 127.0.0.1:<port> address, so treadle "
                 "cannot run a local broker there; set TREADLE_LOCAL_KAFKA=0 to use that cluster as it is"
@@ -148,15 +162,16 @@ class LocalKafka:
 
     def status(self) -> ServiceStatus:
         pid = self.pid()
+        shape = "single node" if self.nodes == 1 else f"node {self.node_id} of {self.nodes}"
         return ServiceStatus(
-            name="kafka",
+            name=self.name,
             managed=True,
             running=pid is not None,
             address=self.bootstrap_servers,
             pid=pid,
             log_path=self.log_path,
             data_dir=self.data_dir,
-            detail=f"Apache Kafka {self.settings.kafka_version} (KRaft, single node)",
+            detail=f"Apache Kafka {self.settings.kafka_version} (KRaft, {shape})",
         )
 
     # -- prerequisites ------------------------------------------------------------------------
@@ -231,10 +246,14 @@ class LocalKafka:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         rf = self.settings.replication_factor
+        isr = str(min_insync_replicas(rf))
+        voters = ",".join(
+            f"{i}@{self.host}:{self.settings.kafka_controller_port + 2 * (i - 1)}" for i in range(1, self.nodes + 1)
+        )
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": voters,
             "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
@@ -243,11 +262,14 @@ class LocalKafka:
             "log.dirs": str(self.data_dir),
             "num.partitions": str(self.settings.partitions),
             "default.replication.factor": str(rf),
+            # with 3 replicas an acks=all write needs 2 in sync: one broker may be down without stopping writes
+            # or losing an acknowledged record (topics treadle creates say so too; Faust's changelogs inherit it)
+            "min.insync.replicas": isr,
             "offsets.topic.replication.factor": str(rf),
             "transaction.state.log.replication.factor": str(rf),
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.min.isr": isr,
             "share.coordinator.state.topic.replication.factor": str(rf),
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.min.isr": isr,
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",  # topics come from the catalog (co-partitioned)
             # what the producers' max_request_size allows (topics/settings.py); Faust's changelogs inherit it
@@ -268,19 +290,38 @@ class LocalKafka:
             return
         cmd = [
             java, "-Xmx256m", "-cp", f"{self.libs_dir}/*",
-            "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(self.config_path),
+            "kafka.tools.StorageTool", "format", "-t", self._cluster_id(), "-c", str(self.config_path),
         ]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             last = "\n".join((out.stdout + out.stderr).strip().splitlines()[-15:])
             raise StackError(f"formatting Kafka storage in {self.data_dir} failed (exit {out.returncode}):\n{last}")
 
+    def _cluster_id(self) -> str:
+        """One broker's own id; a cluster's nodes share the id kept in TREADLE_HOME/kafka/cluster.id."""
+        if self.nodes == 1:
+            return new_cluster_id()
+        path = self.cluster_dir / "cluster.id"
+        if not path.exists():
+            self.cluster_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(new_cluster_id() + "\n")
+        return path.read_text().strip()
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def up(self, timeout: float = 90.0) -> ServiceStatus:
         """Start the broker (no-op when ours already runs) and wait until a real client call works."""
+        started = self.start()
+        if started is not None:
+            self.wait_ready(started, timeout)
+        return self.status()
+
+    def start(self) -> tuple[int, tuple[int, int]] | None:
+        """Spawn the JVM without waiting for it: (pid, log offsets) for `wait_ready`, None when ours already runs.
+
+        A cluster's nodes are all spawned before any is waited for: a node answers only once a quorum runs."""
         if self.pid() is not None:
-            return self.status()
+            return None
         java = self.check_java()
         self._check_ports()
         self.ensure_jars()
@@ -299,21 +340,36 @@ class LocalKafka:
         starts = (log_size(self.log_path), log_size(self.stdout_path))
         pid = spawn_detached(cmd, self.stdout_path)
         self.pid_file.write(pid)
+        return pid, starts
+
+    def wait_ready(self, started: tuple[int, tuple[int, int]], timeout: float = 90.0) -> None:
+        """Wait until the broker `start` spawned answers; stops it and raises StackError when it does not."""
+        pid, starts = started
         try:
             self._wait_ready(pid, timeout, starts)
         except StackError:
             stop_pid(pid, timeout=10)
             self.pid_file.remove()
             raise
-        return self.status()
+
+    def kill(self) -> int | None:
+        """SIGKILL our broker (a crash, for fault tests); returns the PID killed, None when none ran."""
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            while pid_alive(pid):
+                time.sleep(0.05)
+            self.pid_file.remove()
+        return pid
 
     def _wait_ready(self, pid: int, timeout: float, starts: tuple[int, int]) -> None:
+        what = "Kafka" if self.nodes == 1 else f"Kafka node {self.node_id}"
         deadline = time.monotonic() + timeout
         last_error = "no answer yet"
         while time.monotonic() < deadline:
             if not pid_alive(pid):
                 raise failure(
-                    f"Kafka exited during startup ({self.bootstrap_servers}).",
+                    f"{what} exited during startup ({self.bootstrap_servers}).",
                     self.log_path,
                     starts[0],
                     (self.stdout_path, starts[1]),
@@ -330,7 +386,7 @@ class LocalKafka:
                 last_error = f"{type(exc).__name__}: {exc}"
             time.sleep(0.5)
         raise failure(
-            f"Kafka did not answer on {self.bootstrap_servers} within {timeout:.0f}s ({last_error}).",
+            f"{what} did not answer on {self.bootstrap_servers} within {timeout:.0f}s ({last_error}).",
             self.log_path,
             starts[0],
             (self.stdout_path, starts[1]),
@@ -346,7 +402,7 @@ class LocalKafka:
         try:
             await asyncio.wait_for(admin.start(), 5)
             cluster = await asyncio.wait_for(admin.describe_cluster(), 5)
-            return bool(cluster.get("brokers"))
+            return len(cluster.get("brokers") or ()) >= self.nodes  # a restarted node: until it rejoined
         finally:
             await admin.close()
 
@@ -360,3 +416,85 @@ class LocalKafka:
 
     def log_tail(self, lines: int = 25) -> str:
         return tail(self.log_path, lines)
+
+
+def formatted_brokers(settings: Settings) -> int | None:
+    """How many local brokers TREADLE_HOME's Kafka data was formatted for (None when there is none yet)."""
+    kafka_dir = settings.home / "kafka"
+    if (kafka_dir / "cluster.id").exists():
+        return 3
+    if (kafka_dir / "data" / "meta.properties").exists():
+        return 1
+    return None
+
+
+class LocalKafkaCluster:
+    """The `settings.kafka_brokers` local nodes as one service: started together, stopped together."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.formatted_for = formatted_brokers(settings)
+        if self.formatted_for is not None and self.formatted_for != settings.kafka_brokers:
+            # `down` and `status` follow what TREADLE_HOME holds, so a forgotten TREADLE_KAFKA_BROKERS stops it all
+            settings = settings.model_copy(update={"kafka_brokers": self.formatted_for})
+        self.nodes = [LocalKafka(settings, node_id) for node_id in range(1, settings.kafka_brokers + 1)]
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(node.bootstrap_servers for node in self.nodes)
+
+    def node(self, node_id: int) -> LocalKafka:
+        return self.nodes[node_id - 1]
+
+    def status(self) -> ServiceStatus:
+        states = [node.status() for node in self.nodes]
+        if len(states) == 1:
+            return states[0]
+        running = [s for s in states if s.running]
+        down = [s.name for s in states if not s.running]
+        return ServiceStatus(
+            name="kafka",
+            managed=True,
+            running=len(running) == len(states),
+            address=self.bootstrap_servers,
+            pid=states[0].pid,
+            log_path=states[0].log_path,
+            data_dir=self.nodes[0].cluster_dir,
+            detail=f"Apache Kafka {self.settings.kafka_version} (KRaft, {len(states)} nodes"
+            + (f"; down: {', '.join(down)})" if down else ")"),
+        )
+
+    def check_shape(self) -> None:
+        """StackError when TREADLE_HOME's Kafka data was formatted for another number of brokers."""
+        if self.formatted_for is not None and self.formatted_for != self.settings.kafka_brokers:
+            raise StackError(
+                f"{self.nodes[0].cluster_dir} holds the data of {self.formatted_for} local broker(s), not "
+                f"{self.settings.kafka_brokers}: set TREADLE_KAFKA_BROKERS={self.formatted_for} (`treadle up --brokers "
+                f"{self.formatted_for}`), or use another TREADLE_HOME"
+            )
+
+    def up(self, timeout: float = 120.0) -> ServiceStatus:
+        """Spawn every node that is not running, then wait for each (a node answers once a quorum runs)."""
+        self.check_shape()
+        started: list[tuple[LocalKafka, tuple[int, tuple[int, int]]]] = []
+        try:
+            for node in self.nodes:
+                spawned = node.start()
+                if spawned is not None:
+                    started.append((node, spawned))
+            for node, spawned in started:
+                node.wait_ready(spawned, timeout)
+        except StackError:
+            for node, _ in started:  # what this call started; nodes that ran before keep running
+                node.down(timeout=10)
+            raise
+        return self.status()
+
+    def down(self, timeout: float = 30.0) -> ServiceStatus:
+        """Stop every node by PID at once: one by one, the last two would wait for a quorum that is gone."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
+            list(pool.map(lambda node: node.down(timeout), self.nodes))
+        return self.status()
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(f"{node.name}:\n{node.log_tail(lines)}" for node in self.nodes)

@@ -1,7 +1,8 @@
 """The embedded one-machine stack behind `treadle up` / `down` / `status`.
 
-It manages only what the settings leave local: the Kafka broker unless TREADLE_LOCAL_KAFKA=0, the
-Valkey server unless REDIS_URL is set. chDB is not a service: the worker opens it in-process.
+It manages only what the settings leave local: the Kafka broker (or the TREADLE_KAFKA_BROKERS=3 of a cluster)
+unless TREADLE_LOCAL_KAFKA=0, the Valkey server unless REDIS_URL is set. chDB is not a service: the worker opens
+it in-process.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from streams.runtime.processes import ServiceStatus
 from topics.settings import Settings
-from treadle.devstack.kafka import LocalKafka
+from treadle.devstack.kafka import LocalKafkaCluster
 from treadle.devstack.valkey import LocalValkey
 
 
@@ -40,7 +41,7 @@ class LocalStack:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.kafka: LocalKafka | None = LocalKafka(settings) if settings.local_kafka else None
+        self.kafka: LocalKafkaCluster | None = LocalKafkaCluster(settings) if settings.local_kafka else None
         self.valkey: LocalValkey | None = LocalValkey(settings) if settings.redis_url is None else None
 
     def _kafka_external(self) -> ServiceStatus:
@@ -51,6 +52,8 @@ class LocalStack:
 
     def up(self) -> StackStatus:
         """Start what is local and not yet running; Valkey first since it takes a fraction of a second."""
+        if self.kafka:
+            self.kafka.check_shape()  # before Valkey starts: a refused `up` leaves nothing running
         valkey = self.valkey.up() if self.valkey else self._valkey_external()
         kafka = self.kafka.up() if self.kafka else self._kafka_external()
         return StackStatus(kafka=kafka, valkey=valkey)
