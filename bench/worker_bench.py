@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
 from bench.weaving_report import collector_seconds, metric, scrape
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
-from streams.runtime.run_info import SqlEndpoint
+from streams.runtime.run_info import FirstInput, SqlEndpoint
 from streams.sdk.producer import producer_config
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -98,6 +98,7 @@ def _threads(pid: int) -> list[int]:
 class Watch:
     """What the transitions (and late-rewards) topics showed during the run."""
 
+    started_at: float = 0.0  # Unix time of the bench's clock start (done_s and the others count from it)
     produced_s: float = 0.0  # all input acknowledged by the broker
     first_s: float | None = None  # first Transition read back
     done_s: float | None = None  # last step's final revision read back
@@ -140,7 +141,7 @@ async def _drive(
         await consumer.seek_to_beginning(*partitions)
         for name in {record.topic for record in events}:
             await producer.partitions_for(name)
-        started = time.perf_counter()
+        started, watch.started_at = time.perf_counter(), time.time()
 
         async def read_back() -> None:
             pending, pending_late = set(expected), set(late)
@@ -215,17 +216,35 @@ async def _preload(settings: Settings, events: list[InputRecord]) -> None:
 
 @dataclass
 class CatchUp:
-    """A backlog run: what was read back, and the worker's CPU seconds (all threads) meanwhile."""
+    """A backlog run: what was read back, and the worker's CPU seconds (all threads) meanwhile.
+
+    The clock runs from the worker's first input record (FirstInput) to the last output read back: a worker reads
+    input while it is still starting up, before it says it is ready. A worker that leaves no FirstInput (another
+    command) is timed from its ready signal instead, less the events it had read by then (`read_before_clock`).
+    """
 
     watch: Watch
     cpu_s: float | None
     by_thread: str = ""
     gc_s: tuple[float, float] | None = None  # the worker's cycle collector meanwhile: (all generations, full only)
     read_before_clock: int = 0  # input events the worker had read when the clock started (its ready scrape)
+    lead_s: float = 0.0  # from the first input record read to the bench's own clock start (part of the elapsed)
+    from_first_input: bool = False
+
+    @property
+    def elapsed_s(self) -> float | None:
+        return None if self.watch.done_s is None else self.lead_s + self.watch.done_s
 
     def timed(self, n: int) -> int:
-        """The events the clock saw: a worker may read its first batches before it says it is ready."""
+        """The events the clock saw (all of them, when it starts at the first input record)."""
         return n - self.read_before_clock
+
+    def clock_note(self) -> str:
+        if self.from_first_input:
+            return (f"clock and CPU from the worker's first input record (FirstInput), {self.lead_s:.2f}s before the "
+                    "bench's own clock start; every event timed")  # fmt: skip
+        return (f"clock from the worker's ready signal: {self.read_before_clock:,} events read before it are left out "
+                "of the rate and the CPU per event")  # fmt: skip
 
 
 def backlog_catch_up(
@@ -240,7 +259,8 @@ def backlog_catch_up(
     late: frozenset[str] = frozenset(),
     profile: Path | None = None,
 ) -> CatchUp:
-    """Put `events` in Kafka, then start the worker and time it from "ready" until the read-back is complete."""
+    """Put `events` in Kafka, then start the worker and time it from its first input record (else from "ready")
+    until the read-back is complete."""
     from streams.runtime.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
@@ -257,6 +277,7 @@ def backlog_catch_up(
         watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         gc_after = collector_seconds(scrape(settings.web_port))
+        first = FirstInput.read(settings)
         stop_spy(spy)
     finally:
         if spy is not None and spy.poll() is None:
@@ -266,7 +287,12 @@ def backlog_catch_up(
     gc_s = None
     if gc_before is not None and gc_after is not None:
         gc_s = (gc_after[0] - gc_before[0], gc_after[1] - gc_before[1])
-    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s, read_before)
+    run = CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s, read_before)
+    if first is not None and first.pid == worker.pid:
+        run.from_first_input, run.read_before_clock = True, 0
+        run.lead_s = watch.started_at - first.read_at
+        run.cpu_s = cpu_after - first.cpu_s if cpu_after is not None else None
+    return run
 
 
 def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
@@ -287,10 +313,9 @@ def _backlog_run(
     expected = {s.logical_event_id: s.final_revision for s in steps}
     run = backlog_catch_up(settings, events, expected, pin=pin, timeout=timeout, argv=argv)
     watch = run.watch
-    elapsed = watch.done_s if watch.done_s is not None else timeout
+    elapsed = run.elapsed_s if run.elapsed_s is not None else timeout
     timed = run.timed(len(events))
-    notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal",
-             f"{run.read_before_clock:,} of them read before it (left out of the rate)"]  # fmt: skip
+    notes = [f"{len(events)} input events in Kafka before the worker started", run.clock_note()]
     if timed <= 0:
         notes.append("[yellow]the worker read the whole backlog before its ready signal: too small to time "
                      "(raise --events)[/]")  # fmt: skip
