@@ -165,8 +165,8 @@ def _quix_peer(
         return [], f"no {PEER_NAME}: {how}"
     run = quix_catch_up(settings, python, set(expected), pin=ctx.pin, timeout=ctx.args.timeout, home=ctx.home / "quix")
     peer = peer_measurement(SECTION, run, len(events), len(expected), ctx.pin_words, ctx.args.timeout)
-    if not peer.complete:
-        return [peer], ""
+    if not peer.complete or not treadle.complete:
+        return [peer], ""  # no ratio against a run that did not finish
     treadle_us = 1e6 * cpu_s / treadle.n if cpu_s and treadle.n > 0 else None
     peer_us = 1e6 * run.cpu_s / peer.n if run.cpu_s else None
     return [peer], versus_line(treadle.rate, treadle_us, peer, peer_us)
