@@ -66,14 +66,14 @@ def worker_run(ctx: Context, settings, events, expectation) -> Measurement:
     run = backlog_catch_up(settings, events, expectation.final_revisions(), pin=ctx.pin, timeout=ctx.args.timeout,
                            late=frozenset(expectation.late()))  # fmt: skip
     watch = run.watch
-    elapsed = watch.done_s if watch.done_s is not None else ctx.args.timeout
+    elapsed = run.elapsed_s if run.elapsed_s is not None else ctx.args.timeout
     complete = watch.done_s is not None and not watch.over_revision and not watch.late_unexpected
     timed = run.timed(len(events))
     return Measurement(
         SECTION, "treadle worker, weaving (baseline)",
-        f"`treadle worker` {ctx.pin_words}, input already in Kafka: ready signal -> every final Transition and late "
-        "reward on its topic", timed, "events", elapsed, complete=complete,
-        notes=[f"{run.read_before_clock:,} events read before the clock started (left out)",
+        f"`treadle worker` {ctx.pin_words}, input already in Kafka: first input record read -> every final Transition "
+        "and late reward on its topic", timed, "events", elapsed, complete=complete,
+        notes=[run.clock_note(),
                *cpu_notes(run.cpu_s, elapsed, timed),
                *([f"= {timed / run.cpu_s:,.0f} events/s if it had the whole core (its CPU, not the wall clock)"]
                  if run.cpu_s else [])],

@@ -6,7 +6,8 @@ window + grace, with their real time as event_time), 5% of events are sent twice
 The expected rows (final revision per step, the late rewards) are computed from the events as sent, not by the
 worker's code, and every section checks the worker against them. It starts its own stack like bench.run:
   1. throughput: the whole workload in Kafka before the worker starts (pinned to one core); events/s from its
-     ready signal until every final Transition and late reward is read back; vs raw consume + decode;
+     first input record until every final Transition and late reward is read back; vs raw consume + decode, and vs
+     a minimal Quix Streams app doing the simpler join on the same backlog (bench.peer; --no-peer skips it);
   2. latency at a paced 5,000 input events/s, after --warmup s of it: last required reward acked -> complete row
      visible in ClickHouse;
   3. soak: the paced load for --soak-minutes; worker (and sink) RSS every 10 s, and the open_steps gauge.
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sessions", type=int, default=500, help="agent sessions the steps spread over (500)")
     parser.add_argument("--partitions", type=int, default=4, help="partitions per topic (4)")
     parser.add_argument("--quick", action="store_true", help="small N, 15 s of latency, a 1-minute soak")
+    parser.add_argument(
+        "--no-peer", action="store_true", help="throughput: skip the Quix Streams peer (it needs quixstreams from PyPI)"
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin the worker to one core")
     parser.add_argument("--timeout", type=float, default=300.0, help="give up on the throughput read-back (300 s)")
     parser.add_argument(

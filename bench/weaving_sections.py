@@ -16,6 +16,7 @@ from rich.console import Console
 
 from bench.common import WORKER_CORE, Measurement, cpu_seconds, loadavg
 from bench.paced import CompletePoller, Observed, PacedRun, Published, Receipts, send_paced
+from bench.peer import PEER_NAME, peer_measurement, peer_python, quix_catch_up, versus_line
 from bench.weaving_report import (
     check_in_clickhouse,
     gc_time,
@@ -115,13 +116,12 @@ def throughput(ctx: Context) -> bool:
         profile=args.profile.resolve() if args.profile else None,
     )  # fmt: skip
     watch = run.watch
-    elapsed = watch.done_s if watch.done_s is not None else args.timeout
+    elapsed = run.elapsed_s if run.elapsed_s is not None else args.timeout
     complete = watch.done_s is not None and not watch.over_revision and not watch.late_unexpected
     timed = run.timed(len(events))
     notes = [
         workload,
-        f"{run.read_before_clock:,} events read before the clock started (the worker's ready scrape): the rate and "
-        "the CPU per event count only the other ones",
+        run.clock_note(),
         f"read back {watch.transitions:,} Transitions; steps final: "
         + ", ".join(f"{p}% at {t:.1f}s" for p, t in watch.milestones.items()),
         f"late rewards on the topic: {watch.late:,}/{len(late):,}",
@@ -136,18 +136,40 @@ def throughput(ctx: Context) -> bool:
     measured = Measurement(
         SECTION,
         "treadle worker, weaving",
-        f"`treadle worker` {ctx.pin_words}, input already in Kafka: from its ready signal until every step's "
+        f"`treadle worker` {ctx.pin_words}, input already in Kafka: from its first input record until every step's "
         "final-revision Transition is on the transitions topic and every late reward on late_rewards",
         timed, "events", elapsed, baseline="raw consume+decode", target=20_000.0, target_is_rate=True,
         complete=complete, notes=notes if complete else ["[red]INCOMPLETE OR WRONG: see check[/]", *notes],
     )  # fmt: skip
+    peer, versus = _quix_peer(ctx, settings, events, expected, measured, run.cpu_s)
     baseline = consume_baseline(
         settings, len(events), pin=ctx.pin, log_dir=ctx.home, extra=("--reward-policy", str(settings.reward_policy))
     )
     for m in baseline:
         m.section = SECTION
-    render_throughput(ctx.console, [*baseline, measured])
-    return complete
+    render_throughput(ctx.console, [*baseline, measured, *peer])
+    if versus:
+        ctx.console.print(f"[bold]{versus}[/]; loadavg {loadavg()}")
+    return complete and all(m.complete for m in peer)
+
+
+def _quix_peer(
+    ctx: Context, settings: Settings, events: list, expected: dict[str, int], treadle: Measurement, cpu_s: float | None
+) -> tuple[list[Measurement], str]:
+    """The Quix Streams peer on the same backlog (bench.peer), and the line comparing treadle with it."""
+    if ctx.args.no_peer:
+        return [], ""
+    python, how = peer_python()
+    ctx.console.print(f"throughput: the {PEER_NAME} on the same backlog ({how})…")
+    if python is None:
+        return [], f"no {PEER_NAME}: {how}"
+    run = quix_catch_up(settings, python, set(expected), pin=ctx.pin, timeout=ctx.args.timeout, home=ctx.home / "quix")
+    peer = peer_measurement(SECTION, run, len(events), len(expected), ctx.pin_words, ctx.args.timeout)
+    if not peer.complete or not treadle.complete:
+        return [peer], ""  # no ratio against a run that did not finish
+    treadle_us = 1e6 * cpu_s / treadle.n if cpu_s and treadle.n > 0 else None
+    peer_us = 1e6 * run.cpu_s / peer.n if run.cpu_s else None
+    return [peer], versus_line(treadle.rate, treadle_us, peer, peer_us)
 
 
 def _backlog(settings: Settings, n: int, sessions: int) -> tuple[list[InputRecord], WeavingExpectation, str]:

@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from bench.common import WORKER_CORE, Measurement, busiest_threads, cpu_seconds, pinned, run_module, thread_cpu
 from bench.weaving_report import collector_seconds, metric, scrape
 from bench.workload import TRANSITION, Step, encoded_events, make_steps
-from streams.runtime.run_info import SqlEndpoint
+from streams.runtime.run_info import FirstInput, SqlEndpoint
 from streams.sdk.producer import producer_config
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -32,6 +32,7 @@ from topics.settings import Settings
 from treadle.devstack.worker_process import WorkerProcess
 
 LATE_REWARD = "treadle.derived.LateReward"
+READY_TIMEOUT_S = 120.0  # a worker not ready by then fails the run (a backlog's read-back waits this much longer)
 
 SECTION = "2. worker"
 WORKER_COMMAND = "{pin}: input topics -> every step's final Transition on the topic"
@@ -98,6 +99,7 @@ def _threads(pid: int) -> list[int]:
 class Watch:
     """What the transitions (and late-rewards) topics showed during the run."""
 
+    started_at: float = 0.0  # Unix time of the bench's clock start (done_s and the others count from it)
     produced_s: float = 0.0  # all input acknowledged by the broker
     first_s: float | None = None  # first Transition read back
     done_s: float | None = None  # last step's final revision read back
@@ -117,9 +119,11 @@ async def _drive(
     events: list[InputRecord],
     timeout: float,
     late: frozenset[str] = frozenset(),
+    reading: asyncio.Event | None = None,
 ):
     """Send `events` (may be none) and read back until every step has its expected final revision
-    ({logical_event_id: revision}) on the transitions topic and every `late` reward is on the late-rewards topic."""
+    ({logical_event_id: revision}) on the transitions topic and every `late` reward is on the late-rewards topic.
+    `reading` is set once the read-back consumer is in place and the clock runs."""
     codec = AvroCodec()
     catalog = TopicCatalog(settings)
     topic, late_topic = catalog["transitions"].name, catalog["late_rewards"].name
@@ -140,7 +144,9 @@ async def _drive(
         await consumer.seek_to_beginning(*partitions)
         for name in {record.topic for record in events}:
             await producer.partitions_for(name)
-        started = time.perf_counter()
+        started, watch.started_at = time.perf_counter(), time.time()
+        if reading is not None:
+            reading.set()
 
         async def read_back() -> None:
             pending, pending_late = set(expected), set(late)
@@ -215,17 +221,46 @@ async def _preload(settings: Settings, events: list[InputRecord]) -> None:
 
 @dataclass
 class CatchUp:
-    """A backlog run: what was read back, and the worker's CPU seconds (all threads) meanwhile."""
+    """A backlog run: what was read back, and the worker's CPU seconds (all threads) meanwhile.
+
+    The clock runs from the worker's first input record (FirstInput) to the last output read back: a worker reads
+    input while it is still starting up, before it says it is ready. A worker that leaves no FirstInput (another
+    command) is timed from its ready signal instead, less the events it had read by then (`read_before_clock`).
+    """
 
     watch: Watch
     cpu_s: float | None
     by_thread: str = ""
     gc_s: tuple[float, float] | None = None  # the worker's cycle collector meanwhile: (all generations, full only)
     read_before_clock: int = 0  # input events the worker had read when the clock started (its ready scrape)
+    lead_s: float = 0.0  # from the clock's start (first input record, or ready) to the bench's read-back start
+    from_first_input: bool = False
+
+    @property
+    def elapsed_s(self) -> float | None:
+        return None if self.watch.done_s is None else self.lead_s + self.watch.done_s
 
     def timed(self, n: int) -> int:
-        """The events the clock saw: a worker may read its first batches before it says it is ready."""
+        """The events the clock saw (all of them, when it starts at the first input record)."""
         return n - self.read_before_clock
+
+    def clock_note(self) -> str:
+        if self.from_first_input:
+            return ("clock and CPU from the worker's first input record (FirstInput) to the last output read back "
+                    "(read back from before the worker started); every event timed")  # fmt: skip
+        return (f"clock from the worker's ready signal: {self.read_before_clock:,} events read before it are left out "
+                "of the rate and the CPU per event")  # fmt: skip
+
+
+@dataclass
+class _AtReady:
+    """The worker when it said it was ready: CPU, per-thread CPU, collector seconds, input events read."""
+
+    at_s: float  # since the read-back's clock start
+    cpu_s: float | None
+    threads: dict[int, tuple[str, float]]
+    gc_s: tuple[float, float] | None
+    read: int
 
 
 def backlog_catch_up(
@@ -240,33 +275,52 @@ def backlog_catch_up(
     late: frozenset[str] = frozenset(),
     profile: Path | None = None,
 ) -> CatchUp:
-    """Put `events` in Kafka, then start the worker and time it from "ready" until the read-back is complete."""
+    """Put `events` in Kafka, start reading the output topics, then start the worker; time it from its first input
+    record (else from "ready") until the read-back is complete. The read-back runs from before the worker starts, so
+    a worker that is done before it says it is ready (a small backlog, a slow sink start) is not timed as slower."""
     from streams.runtime.worker import prepare_cluster
 
     asyncio.run(prepare_cluster(settings))
     asyncio.run(_preload(settings, events))
-    worker = BenchWorker(settings, pin, argv, env).start()
-    spy = None
-    try:
-        worker.wait_ready(120)
+    worker = BenchWorker(settings, pin, argv, env)
+    spy: subprocess.Popen[bytes] | None = None
+
+    async def run() -> tuple[Watch, _AtReady]:
+        nonlocal spy
+        reading = asyncio.Event()
+        drive = asyncio.create_task(_drive(settings, expected, [], timeout + READY_TIMEOUT_S, late, reading))
+        await reading.wait()
+        clock = time.perf_counter()
+        worker.start()
+        await asyncio.to_thread(worker.wait_ready, READY_TIMEOUT_S)
         spy = py_spy(worker.pid, profile) if profile is not None else None
-        cpu_before, threads_before = cpu_seconds(worker.pid), thread_cpu(worker.pid)
-        page = scrape(settings.web_port)
-        gc_before = collector_seconds(page)
-        read_before = int(metric(page, "treadle_events_in_total{") or 0)
-        watch, _ = asyncio.run(_drive(settings, expected, [], timeout, late))
+        page = await asyncio.to_thread(scrape, settings.web_port)
+        at_ready = _AtReady(
+            time.perf_counter() - clock, cpu_seconds(worker.pid), thread_cpu(worker.pid), collector_seconds(page),
+            int(metric(page, "treadle_events_in_total{") or 0),
+        )  # fmt: skip
+        watch, _ = await drive
+        return watch, at_ready
+
+    try:
+        watch, ready = asyncio.run(run())
         cpu_after, threads_after = cpu_seconds(worker.pid), thread_cpu(worker.pid)
         gc_after = collector_seconds(scrape(settings.web_port))
+        first = FirstInput.read(settings)
         stop_spy(spy)
     finally:
         if spy is not None and spy.poll() is None:
             spy.kill()
         worker.stop()
-    used = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
     gc_s = None
-    if gc_before is not None and gc_after is not None:
-        gc_s = (gc_after[0] - gc_before[0], gc_after[1] - gc_before[1])
-    return CatchUp(watch, used, busiest_threads(worker.pid, threads_before, threads_after), gc_s, read_before)
+    if ready.gc_s is not None and gc_after is not None:
+        gc_s = (gc_after[0] - ready.gc_s[0], gc_after[1] - ready.gc_s[1])
+    by_thread = busiest_threads(worker.pid, ready.threads, threads_after)  # from its ready signal on
+    if first is not None and first.pid == worker.pid:
+        used = cpu_after - first.cpu_s if cpu_after is not None else None
+        return CatchUp(watch, used, by_thread, gc_s, 0, watch.started_at - first.read_at, from_first_input=True)
+    used = cpu_after - ready.cpu_s if cpu_after is not None and ready.cpu_s is not None else None
+    return CatchUp(watch, used, by_thread, gc_s, ready.read, -ready.at_s)
 
 
 def cpu_notes(used: float | None, elapsed: float, n: int) -> list[str]:
@@ -287,10 +341,9 @@ def _backlog_run(
     expected = {s.logical_event_id: s.final_revision for s in steps}
     run = backlog_catch_up(settings, events, expected, pin=pin, timeout=timeout, argv=argv)
     watch = run.watch
-    elapsed = watch.done_s if watch.done_s is not None else timeout
+    elapsed = run.elapsed_s if run.elapsed_s is not None else timeout
     timed = run.timed(len(events))
-    notes = [f"{len(events)} input events in Kafka before the worker started; timed from its ready signal",
-             f"{run.read_before_clock:,} of them read before it (left out of the rate)"]  # fmt: skip
+    notes = [f"{len(events)} input events in Kafka before the worker started", run.clock_note()]
     if timed <= 0:
         notes.append("[yellow]the worker read the whole backlog before its ready signal: too small to time "
                      "(raise --events)[/]")  # fmt: skip

@@ -166,7 +166,8 @@ class ResumingConsumer(faust_aiokafka.Consumer):
 
     async def _read_into(self, batch: list[Any], timeout: float) -> None:
         """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
-        batch_topics = self.app.batch_topics  # type: ignore[attr-defined]
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        batch_topics = app.batch_topics
         read_offset = self._read_offset
         alignment = self._input_alignment()
         async for tp, message in self.getmany(timeout=timeout):
@@ -179,6 +180,9 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             if tp.topic in batch_topics:
                 if not batch:  # its first record stands for the batch: a rebalance waits until the batch is acked
                     self._unacked_messages.add(message)
+                    if app.on_first_input is not None:
+                        app.on_first_input()
+                        app.on_first_input = None
                 batch.append(message)
                 alignment.read(tp, message.timestamp)
             else:
@@ -390,6 +394,9 @@ class ResumingApp(faust.App):
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
     input_max_skew_s: float = MAX_SKEW_S  # how far (record time) an input partition may read ahead of the others
+    # Called once, when the first record of a batch topic is read (before it is decoded): a benchmark's clock starts
+    # there, so the input a worker reads while it is still starting up (its sink, its web page) is timed too.
+    on_first_input: Callable[[], None] | None = None
     # Run, in order, before every offset commit, when a rebalance revokes partitions and when the consumer stops:
     # held-back table writes (streams/runtime/write_behind.py) reach the tables while this worker still owns them.
     before_commit: list[Callable[[], Awaitable[None]]]

@@ -49,6 +49,18 @@ class WorkerInfo(RunInfo):
 
 
 @dataclass(frozen=True)
+class FirstInput(RunInfo):
+    """first-input.json: when a worker read its first input record (Unix time) and its process CPU seconds then.
+
+    A benchmark of a backlog starts its clock and its CPU count here: a worker reads input before it is ready
+    (while its sink starts), so timing from WorkerInfo would leave those records out."""
+
+    file_name: ClassVar[str] = "first-input.json"
+    read_at: float
+    cpu_s: float
+
+
+@dataclass(frozen=True)
 class SqlEndpoint(RunInfo):
     """sql.json: written by the process that owns ClickHouse (the sink) while it serves SQL."""
 

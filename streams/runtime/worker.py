@@ -23,7 +23,7 @@ from streams.runtime.gpu import GpuTelemetry
 from streams.runtime.metrics_page import add_metrics_page
 from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.processes import SINK_REFUSED_EXIT
-from streams.runtime.run_info import SinkRefusal, SqlEndpoint, WorkerInfo
+from streams.runtime.run_info import FirstInput, SinkRefusal, SqlEndpoint, WorkerInfo
 from topics import native_codec
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
@@ -63,6 +63,8 @@ def build_worker(settings: Settings) -> Pipeline:
             asyncio.run(refresh())
     add_metrics_page(pipeline)
     pipeline.enabled_processors = describe_processors(pipeline)
+    FirstInput.path(settings).unlink(missing_ok=True)
+    pipeline.app.on_first_input = lambda: mark_first_input(settings)
     if settings.gpu_sample_seconds > 0:
         add_gpu_telemetry(pipeline, GpuTelemetry(pipeline.metrics.registry))
 
@@ -76,6 +78,11 @@ def build_worker(settings: Settings) -> Pipeline:
                 log.warning("could not refresh the schema registry: %s", exc)
 
     return pipeline
+
+
+def mark_first_input(settings: Settings) -> None:
+    """Leave FirstInput (time and process CPU now) for a benchmark's clock."""
+    FirstInput(pid=os.getpid(), read_at=time.time(), cpu_s=time.process_time()).write(settings)
 
 
 def describe_processors(pipeline: Pipeline, registry: ProcessorRegistry | None = None) -> str:
