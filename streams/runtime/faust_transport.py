@@ -355,16 +355,29 @@ class BatchingProducer(faust_aiokafka.Producer):
         batcher = self._batcher
         if batcher is None:
             batcher = self._batcher = PartitionBatcher(self._ensure_producer())
+            batcher.isolate_refused = True  # a record the broker refuses costs that record (Pipeline.on_delivered)
         if batcher.append(topic, partition, key, value, owner, token) is None:  # no coroutine while there is room
             await batcher.append_when_room(topic, partition, key, value, owner, token)
 
     async def flush(self) -> None:
-        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets)."""
+        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets). A batch
+        the broker refused for its records is sent again a record at a time while this waits, and the dead letters
+        for records refused alone are sent too (Pipeline.on_delivered): so the flush goes round until none is."""
         if self._batcher is not None:
             await self._batcher.handed_over()
         await super().flush()
+        while self._batcher is not None and self._batcher.settling:
+            await self._batcher.handed_over()
+            await super().flush()
         if self._batcher is not None and self._batcher.failed is not None:
             raise ProducerFlushError(f"a record could not be produced: {self._batcher.failed!r}")
+
+    def track(self, work: Any) -> None:
+        """Make the next flush (so the next offset commit) wait for `work` (PartitionBatcher.track)."""
+        if self._batcher is None:
+            self._batcher = PartitionBatcher(self._ensure_producer())
+            self._batcher.isolate_refused = True
+        self._batcher.track(work)
 
     async def on_stop(self) -> None:
         if self._batcher is not None:
