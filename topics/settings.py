@@ -342,8 +342,11 @@ class Settings(BaseModel):
         ge=1024,
         description="TREADLE_MAX_EVENT_BYTES: largest encoded event (Avro value) treadle takes: the SDK raises "
         "EventTooLargeError before sending a larger one, the worker dead-letters one (stage VALIDATE), and derived "
-        "records larger than this are truncated with the truncation recorded. ~148 KB below Kafka's 1 MiB record "
-        "limit, so a dead letter wrapping a full-size event, or a step holding it with its other events, still fits.",
+        "records larger than this are truncated with the truncation recorded. Also the largest value one key may hold "
+        "in a processor's table (a step, an episode's credit state, a judged step, a state version or TTL index): the "
+        "event that would pass it is a PROCESS dead letter (docs/operations.md, Size limits). ~148 KB below Kafka's "
+        "1 MiB record limit, so a dead letter wrapping a full-size event, or a step holding it with its other events, "
+        "still fits.",
     )
     spool_dir: Path | None = Field(
         default=None,

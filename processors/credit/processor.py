@@ -16,6 +16,7 @@ from processors.credit.rules import CREDIT_INPUTS, CreditRule, EpisodeCredit, Ep
 from processors.credit.rules import episode_of as _episode_of
 from streams.runtime import table_writes
 from streams.runtime.processor import InputEvent, ProcessingContext
+from streams.runtime.value_limits import ValueBudget, refuse, too_large
 from topics.names import REWARD
 from topics.settings import Settings
 
@@ -24,6 +25,7 @@ from topics.settings import Settings
 class _Touched:
     state: EpisodeState
     event: InputEvent  # any event of the episode: all share its session's partition
+    budget: ValueBudget  # the state's size, known exactly only near the limit (TREADLE_MAX_EVENT_BYTES)
     changed: bool = False
     emit: set[str] = field(default_factory=set)
 
@@ -38,6 +40,7 @@ class CreditProcessor:
     def __init__(self, credit: EpisodeCredit | None = None) -> None:
         self.credit = credit
         self.table: Any = None  # faust.Table[bytes, bytes]
+        self.max_state_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         if self.credit is None:
@@ -45,6 +48,7 @@ class CreditProcessor:
         self.table = table_writes.bytes_table(
             app, self.name, settings, help="EpisodeState per (session_id, episode_id), serialized with orjson."
         )
+        self.max_state_bytes = settings.max_event_bytes
 
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         credit = self.credit
@@ -61,8 +65,22 @@ class CreditProcessor:
                     ctx.bind(event)
                     stored = self.table.get(key)
                     state = EpisodeState.from_bytes(stored) if stored is not None else EpisodeState(*episode)
-                    entry = touched[key] = _Touched(state, event)
-                folded = credit.fold(entry.state, event.schema_name, event.record)
+                    budget = ValueBudget(self.max_state_bytes, len(stored) if stored is not None else 0)
+                    entry = touched[key] = _Touched(state, event, budget)
+                event_bytes = len(event.source.value or b"")
+                if not entry.budget.near(event_bytes):
+                    folded = credit.fold(entry.state, event.schema_name, event.record)
+                    entry.budget.grew(event_bytes)
+                else:  # measure: an episode whose state would pass the limit refuses the event, as a step does
+                    before = entry.state.to_bytes()
+                    folded = credit.fold(entry.state, event.schema_name, event.record)
+                    size = len(entry.state.to_bytes())
+                    if size > self.max_state_bytes:
+                        entry.state = EpisodeState.from_bytes(before)
+                        what = f"episode {episode[1]!r} of session {episode[0]!r}"
+                        await refuse(ctx, self.name, event, too_large(self.name, what, size, self.max_state_bytes))
+                        continue
+                    entry.budget.measured(size)
                 entry.changed |= folded.changed
                 entry.emit.update(folded.emit)
             except Exception as exc:  # an invalid credit_rule/gamma, corrupt state or a bug: dead-letter, go on

@@ -50,6 +50,7 @@ from processors.steps.watermarks import Watermarks
 from streams.runtime import table_writes
 from streams.runtime.plugins import PluginError
 from streams.runtime.processor import InputEvent, ProcessingContext
+from streams.runtime.value_limits import refuse, too_large
 from topics.catalog import TopicCatalog
 from topics.names import DISPATCH, REWARD, TOOL_RESULT
 from topics.settings import Settings
@@ -307,6 +308,7 @@ class LlmJudge:
         self.table: Any = None  # faust.Table[bytes, bytes]
         self.expiry = StepExpiry()
         self.watermarks = Watermarks(5.0, 30.0)
+        self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
 
     def setup(self, app: faust.App, settings: Settings) -> None:
         if self.client is None:
@@ -325,6 +327,7 @@ class LlmJudge:
             help="PendingStep per logical_event_id (halves awaiting a call, or the published signal), orjson.",
         )
         self.expiry.setup(app, settings, self.name)
+        self.max_step_bytes = settings.max_event_bytes
         topics = [spec.name for spec in TopicCatalog(settings).inputs if spec.value_schema in self.inputs]
         self.watermarks = Watermarks(settings.watermark_lag_s, settings.idle_timeout_s, topics=topics)
         app.on_before_shutdown.connect(self._close)
@@ -349,7 +352,13 @@ class LlmJudge:
                     step = PendingStep.from_bytes(stored) if stored is not None else PendingStep()
                     entry = touched[key] = _Touched(step, event)
                 retries = entry.step.retries_on(event.schema_name, event.record)
+                before = (entry.step.dispatch, entry.step.result)
                 changed = entry.step.fold(event.schema_name, event.record)
+                if changed and (size := len(entry.step.to_bytes())) > self.max_step_bytes:
+                    entry.step.dispatch, entry.step.result = before  # a step holds one of each: small to measure
+                    what = f"judged step {env['logical_event_id']!r}"
+                    await refuse(ctx, self.name, event, too_large(self.name, what, size, self.max_step_bytes))
+                    continue
                 entry.changed |= changed
                 if retries or (changed and entry.trigger is None):
                     entry.trigger = event

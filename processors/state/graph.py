@@ -60,6 +60,10 @@ class StateError(ValueError):
     """An event that cannot be folded into the state (bad rollback target, too many nodes...)."""
 
 
+class StateTooLargeError(StateError):
+    """An event whose version record or the session's TTL heap would pass FoldConfig.max_value_bytes."""
+
+
 @dataclass(frozen=True)
 class FoldConfig:
     auto_nodes: bool = True
@@ -67,6 +71,9 @@ class FoldConfig:
     max_buffer_bytes: int = 256 * 1024
     max_nodes: int = 1_000_000
     history: int = 256
+    # Largest table value one event may write (a version record, the TTL heap): TREADLE_MAX_EVENT_BYTES, so every
+    # value's changelog record fits the broker. An event that would pass it is refused (StateTooLargeError).
+    max_value_bytes: int = 900_000
 
 
 @dataclass(frozen=True)
@@ -483,9 +490,13 @@ class StateFold:
             state.version_id.encode() + b"\n" + orjson.dumps(ops_doc, option=orjson.OPT_SORT_KEYS), digest_size=8
         ).hexdigest()
         version_id = f"{session}.{ordinal}.{digest}"
+        expiries = self._next_expiries(state, store, stage, heap, node_count)
+        self._check_sizes(session, stage, expiries)
         # Nothing below raises: the store is written only for a version that is made.
         node_changes, edge_changes = stage.commit()
-        self._keep_expiries(state, store, stage, heap, node_count)
+        if expiries is not None:
+            store.put_expiries(session, expiries)
+            state.next_expiry = expiries[0][0] if expiries else None
         parent = state.version_id
         state.version_id, state.ordinal, state.time = version_id, ordinal, time
         state.node_count, state.edge_count = node_count, state.edge_count + stage.edge_delta
@@ -514,22 +525,39 @@ class StateFold:
             store.put_version(session, ordinal - self.config.history, None)
         return version
 
-    def _keep_expiries(
+    def _next_expiries(
         self, state: SessionState, store: GraphStore, stage: _Stage, heap: Expiries | None, node_count: int
-    ) -> None:
-        """Push the new TTLs and save the heap; it is read only when something expires or gets a TTL."""
+    ) -> Expiries | None:
+        """The TTL heap to save with the new TTLs pushed (a copy; None when unchanged): it is read only when
+        something expires or gets a TTL."""
         fresh = [(rec.expires_at, node_id) for node_id, rec in stage.nodes_after() if rec and rec.expires_at]
         if heap is None and not fresh:
-            return
-        if heap is None:
-            heap = store.get_expiries(state.session_id)
+            return None
+        heap = list(heap if heap is not None else store.get_expiries(state.session_id))
         for entry in fresh:
             heapq.heappush(heap, entry)
         if len(heap) > 2 * max(node_count, 16):  # drop entries of nodes since replaced or deleted
             heap[:] = [(t, n) for t, n in heap if _expiry(stage.node(n)) == t]
             heapq.heapify(heap)
-        store.put_expiries(state.session_id, heap)
-        state.next_expiry = heap[0][0] if heap else None
+        return heap
+
+    def _check_sizes(self, session: str, stage: _Stage, expiries: Expiries | None) -> None:
+        """Refuse an event whose version record or TTL heap would pass max_value_bytes (before anything is
+        written). Measured exactly only when a cheap upper bound could pass it."""
+        limit = self.config.max_value_bytes
+        if stage.size_bound() > limit and (size := stage.size()) > limit:
+            raise StateTooLargeError(
+                f"the version this event makes in session {session} would be {size:,} bytes, past the "
+                f"{limit:,}-byte limit (TREADLE_MAX_EVENT_BYTES) of one state table value; the event is refused"
+            )
+        if expiries is not None and len(expiries) * 24 > limit // 2:  # entries: [time, "node id"]
+            size = len(orjson.dumps(expiries))
+            if size > limit:
+                raise StateTooLargeError(
+                    f"session {session}'s TTL index would be {size:,} bytes ({len(expiries):,} nodes with a TTL), "
+                    f"past the {limit:,}-byte limit (TREADLE_MAX_EVENT_BYTES) of one state table value; the event "
+                    "is refused"
+                )
 
     def _operations(
         self, stage: _Stage, schema: str, record: dict[str, Any]
@@ -680,6 +708,28 @@ class _Stage:
 
     def nodes_after(self) -> Iterable[tuple[str, NodeRec | None]]:
         return ((k, v[1]) for k, v in self._nodes.items())
+
+    def size_bound(self) -> int:
+        """An upper bound of the staged changes' bytes in a version record (JSON may escape every data byte)."""
+        staged = [*self._nodes.values(), *self._edges.values()]
+        data = sum(len(r.data_json) for before, after, _ in staged for r in (before, after) if r is not None)
+        keys = sum(map(len, self._nodes)) + sum(len(a) + len(b) + len(c) for a, b, c in self._edges)
+        return 2 * (data + keys) + 512 * (len(staged) + 1)
+
+    def size(self) -> int:
+        """The staged changes' bytes in a version record (as `commit` will list them), measured."""
+        changes = [
+            {"node_id": node_id, "op": op, "prev": _interval(before), "next": _interval(after)}
+            for node_id, (before, after, op) in self._nodes.items()
+            if before != after
+        ]
+        changes += [
+            {"src": key[0], "dst": key[1], "type": key[2], "op": op, "prev": _interval(before),
+             "next": _interval(after)}
+            for key, (before, after, op) in self._edges.items()
+            if before != after
+        ]  # fmt: skip
+        return len(orjson.dumps(changes)) + 1024  # and the version's other fields
 
     def commit(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Write the staged changes to the store; returns (node changes, edge changes) sorted by key."""

@@ -62,6 +62,7 @@ from processors.state.graph import (
 from processors.state.store import TableGraphStore, session_items, session_keys
 from streams.runtime import table_writes
 from streams.runtime.processor import InputEvent, ProcessingContext
+from streams.runtime.value_limits import LIMIT_SETTING
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.dead_letters import dead_letter
@@ -144,6 +145,7 @@ class StateProcessor:
                     max_buffer=settings.state_max_buffer,
                     max_nodes=settings.state_max_nodes,
                     history=settings.state_history,
+                    max_value_bytes=settings.max_event_bytes,
                 )
             )
         self.sessions = table_writes.bytes_table(
@@ -317,8 +319,10 @@ class StateProcessor:
                 await ctx.publish(STATE_VERSION, version, key=key)
             for schema_name, record, reason in [*work.replay_rejected, *work.rejected]:
                 await ctx.publish(DEAD_LETTER, self._dead_letter(schema_name, record, reason), key=key)
-            for schema_name, _, _ in work.rejected:  # a replayed refusal was counted when it was first made
+            for schema_name, _, reason in work.rejected:  # a replayed refusal was counted when it was first made
                 ctx.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, schema_name).inc()
+                if LIMIT_SETTING in reason:  # StateTooLargeError (processors.state.graph)
+                    ctx.metrics.state_limit_refusals.labels(self.name).inc()
             versions += work.replay + work.versions
             work.replay, work.replay_rejected, work.versions, work.rejected = [], [], [], []
             work.changed, work.size = False, 0

@@ -8,6 +8,7 @@ whose changelogs are co-partitioned with the inputs (see processors/steps/proces
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -25,9 +26,10 @@ from streams.runtime.metrics import WorkerMetrics
 from streams.runtime.plugins import ProcessorRegistry
 from streams.runtime.processor import EventProcessor, InputEvent
 from streams.runtime.processor_context import ProcessorContext
-from streams.sdk.batching import key_hash
+from streams.sdk.batching import RecordRefusedError, key_hash
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
+from topics.dead_letters import dead_letter
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
 from topics.names import DEAD_LETTER
 from topics.output_size import fit
@@ -138,8 +140,38 @@ class Pipeline:
         if error is None or self._crash is not None:
             return
         self.metrics.producer_errors.labels(self._token_topics[token]).inc()
+        if isinstance(error, RecordRefusedError):  # the broker refused this record alone: it costs that record
+            self.app.producer.track(asyncio.ensure_future(self._refused(error)))  # type: ignore[attr-defined]
+            return
         log.critical("an output could not be produced, stopping so its input is redelivered: %r", error)
         self._crash = asyncio.ensure_future(self.app.crash(error))
+
+    async def _refused(self, error: RecordRefusedError) -> None:
+        """A dead letter (stage PROCESS) for an output the broker refused, with the reason and the record's bytes
+        (cut to fit), instead of a crash that would refuse it again after every restart. A refused dead letter is
+        only logged and counted: there is nowhere left to put it."""
+        schema = self._topic_schemas().get(error.topic)
+        if error.topic == self.outputs.get(DEAD_LETTER):
+            log.error("the dead-letter topic refused a dead letter; it is dropped (counted in "
+                      "treadle_refused_outputs_total): %s", error)  # fmt: skip
+            self.metrics.refused_outputs.labels(error.topic).inc()
+            return
+        self.metrics.refused_outputs.labels(error.topic).inc()
+        reason = (f"publish refused: {error.topic}[{error.partition}] refused this {schema or 'record'} "
+                  f"({len(error.value or b''):,} bytes) with {error.cause!r}; the input that made it was processed, "
+                  "its other outputs were sent")  # fmt: skip
+        log.error("%s (a dead letter keeps it)", reason)
+        letter = dead_letter(
+            DeadLetterStage.PROCESS, reason, topic=error.topic, partition=error.partition, offset=-1, key=error.key,
+            value=error.value, timestamp_ms=int(time.time() * 1000), schema_name=schema,
+        )  # fmt: skip
+        digest = hashlib.blake2b((error.key or b"") + b"\0" + (error.value or b""), digest_size=12).hexdigest()
+        letter["dead_letter_id"] = f"{error.topic}/{error.partition}/refused/{digest}"  # the same on a replay
+        self.metrics.dead_letters.labels(DeadLetterStage.PROCESS.value, schema or "unknown").inc()
+        await self.publish(DEAD_LETTER, letter, key=error.key)
+
+    def _topic_schemas(self) -> dict[str, str]:
+        return {topic: schema for schema, topic in self.outputs.items()}
 
     def bind_partition(self, partition: int) -> None:
         marker = self._partition_markers.setdefault(partition, _PartitionMarker(partition))

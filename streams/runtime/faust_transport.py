@@ -25,6 +25,12 @@ fetched again: seen as "input offsets ...@140..140 were not processed here". Rec
 worker's input, below) no longer take that path; for the others (e.g. standby changelogs) deliveries are shielded
 from that cancellation, and each waits for the one before it, so they finish, in order.
 
+And a drop the re-fetch above cannot see: a record dropped while a later record of its partition is handed out (a
+drop in one getmany, the next record in the next). Input topics have no gaps, so a record handed out past a hole now
+makes the partition read again from the hole first (ResumingConsumer._went_past_a_hole); before, the hole was passed,
+and the session's events were folded out of order, which the state graph, recognising redeliveries by seq, turned
+into a lost event (issue 25's crash-rebalance test, three workers and a kill -9).
+
 Batches. Faust hands records to agents one at a time: a task pair per record to race the flow stop, a
 conductor that builds an Event and queues it, a Stream that pops it and acks it. Measured at about 150 µs
 per record, that alone capped a worker below 3,000 input events/s on one core. Topics registered with
@@ -65,6 +71,7 @@ FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also
 # shares with the sink (weaving bench, paced 5,000 events/s). Sparse input waits at most FETCH_MAX_WAIT_MS longer.
 FETCH_MIN_BYTES = 16_384
 STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
+HOLE_TRIES = 3  # an input partition is read again from a hole this many times before the hole is taken as real
 STOP_WAIT_S = 15.0  # a stopping worker waits this long for a batch being folded, then stops without it (replayed)
 BatchHandler = Callable[[list[Any]], Awaitable[None]]  # takes Faust ConsumerMessages, in fetch order
 
@@ -93,9 +100,13 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _aligned_generation: int | None = None
     _background_commit: asyncio.Future[Any] | None = None  # the commit the fetch loop started, if any
     _commit_crash: asyncio.Future[Any] | None = None  # the crash a failed background commit started
+    _next_input: dict[Any, int]  # input partition -> the offset its next record handed out must have
+    _hole_tries: dict[Any, tuple[int, int]]  # input partition -> (offset read again from, times)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._next_input = {}
+        self._hole_tries = {}
         deliver = self.callback
         last: asyncio.Future[Any] | None = None
 
@@ -170,14 +181,21 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         batch_topics = app.batch_topics
         read_offset = self._read_offset
         alignment = self._input_alignment()
+        holes: set[Any] = set()  # input partitions read again from a hole: the rest of this getmany is dropped
         async for tp, message in self.getmany(timeout=timeout):
             offset = message.offset
+            if tp in holes:
+                continue
             last = read_offset[tp]
             if last is not None and offset < last:
                 continue  # read already (Faust drops these too)
+            if tp.topic in batch_topics and await self._went_past_a_hole(tp, offset):
+                holes.add(tp)
+                continue
             if last and offset - last > 1 and self.app.topics.acks_enabled_for(message.topic):
                 await self._add_gap(tp, last + 1, offset)  # compaction or transaction markers
             if tp.topic in batch_topics:
+                self._next_input[tp] = offset + 1
                 if not batch:  # its first record stands for the batch: a rebalance waits until the batch is acked
                     self._unacked_messages.add(message)
                     if app.on_first_input is not None:
@@ -188,6 +206,42 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             else:
                 await self.wait_first(self.callback(message), self.suspend_flow.wait())
             read_offset[tp] = offset
+
+    async def _went_past_a_hole(self, tp: Any, offset: int) -> bool:
+        """Whether `offset` lies past records of input partition `tp` that were never handed out; if so, `tp` is read
+        again from the first of them.
+
+        Input topics have no compaction and no transactions, so their offsets are contiguous, and a record handed out
+        past a hole means the fetch dropped records (Faust's getmany drops those of a partition that is not active
+        while it iterates, e.g. during a table recovery). Handing out the rest anyway folded a session's events out
+        of order: the state graph recognises redeliveries by seq, so the dropped event, read again after the next
+        rebalance, counted as a duplicate and was never applied (seen with three workers and a kill -9,
+        `input offsets ...@12..12 were not processed here`). A hole that stays after HOLE_TRIES reads is taken as
+        real (records deleted by retention) and passed."""
+        expected = self._next_input.get(tp)
+        if expected is None or offset <= expected:
+            return False
+        sought, tries = self._hole_tries.get(tp, (None, 0))
+        tries = tries + 1 if sought == expected else 1
+        if tries > HOLE_TRIES:
+            log.warning("input offsets %s[%d]@%d..%d are gone (deleted by retention?); reading on from %d",
+                        tp.topic, tp.partition, expected, offset - 1, offset)  # fmt: skip
+            self._hole_tries.pop(tp, None)
+            return False
+        self._hole_tries[tp] = (expected, tries)
+        log.warning("input offsets %s[%d]@%d..%d were not handed out before @%d; reading them again first",
+                    tp.topic, tp.partition, expected, offset - 1, offset)  # fmt: skip
+        await self.seek(tp, expected)
+        return True
+
+    async def seek(self, partition: Any, offset: int) -> None:
+        await super().seek(partition, offset)
+        self._next_input[partition] = offset  # the next record of an input partition must be this one
+
+    async def perform_seek(self) -> None:
+        """Faust's seek of every partition to its committed offset; input partitions expect that offset next."""
+        await super().perform_seek()
+        self._next_input = {tp: offset for tp, offset in self._read_offset.items() if offset is not None}
 
     async def _deliver(self, handle: BatchHandler | None, batch: list[Any]) -> None:
         if handle is None:
@@ -364,16 +418,29 @@ class BatchingProducer(faust_aiokafka.Producer):
         batcher = self._batcher
         if batcher is None:
             batcher = self._batcher = PartitionBatcher(self._ensure_producer())
+            batcher.isolate_refused = True  # a record the broker refuses costs that record (Pipeline.on_delivered)
         if batcher.append(topic, partition, key, value, owner, token) is None:  # no coroutine while there is room
             await batcher.append_when_room(topic, partition, key, value, owner, token)
 
     async def flush(self) -> None:
-        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets)."""
+        """Every record appended so far is acked, or this raises (so Faust does not commit input offsets). A batch
+        the broker refused for its records is sent again a record at a time while this waits, and the dead letters
+        for records refused alone are sent too (Pipeline.on_delivered): so the flush goes round until none is."""
         if self._batcher is not None:
             await self._batcher.handed_over()
         await super().flush()
+        while self._batcher is not None and self._batcher.settling:
+            await self._batcher.handed_over()
+            await super().flush()
         if self._batcher is not None and self._batcher.failed is not None:
             raise ProducerFlushError(f"a record could not be produced: {self._batcher.failed!r}")
+
+    def track(self, work: Any) -> None:
+        """Make the next flush (so the next offset commit) wait for `work` (PartitionBatcher.track)."""
+        if self._batcher is None:
+            self._batcher = PartitionBatcher(self._ensure_producer())
+            self._batcher.isolate_refused = True
+        self._batcher.track(work)
 
     async def on_stop(self) -> None:
         if self._batcher is not None:

@@ -39,6 +39,8 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_consumer_lag": "gauge",
     "treadle_producer_errors_total": "counter",
     "treadle_isolated_failures_total": "counter",
+    "treadle_refused_outputs_total": "counter",
+    "treadle_state_limit_refusals_total": "counter",
     "treadle_processor_info": "gauge",
     "treadle_processor_events_in_total": "counter",
     "treadle_processor_records_out_total": "counter",
@@ -205,6 +207,20 @@ class WorkerMetrics:
         self.consumer_lag = _consumer_lag(r)
         self.producer_errors = Counter(
             "treadle_producer_errors", "Records the producer could not deliver, by topic.", ["topic"], registry=r
+        )
+        self.refused_outputs = Counter(
+            "treadle_refused_outputs",
+            "Output records the broker refused when sent alone (e.g. above the topic's max.message.bytes): each is a "
+            "PROCESS dead letter (a refused dead letter is only counted), by the topic that refused it.",
+            ["topic"],
+            registry=r,
+        )
+        self.state_limit_refusals = Counter(
+            "treadle_state_limit_refusals",
+            "Input events refused because they would take a per-key table value (a step, a session's state graph, an "
+            "episode, a judged step) past its size limit; each is a PROCESS dead letter, by processor.",
+            ["processor"],
+            registry=r,
         )
         self.isolated_failures = Counter(
             "treadle_isolated_failures",

@@ -14,6 +14,12 @@ the producer's. What `send()` guarantees holds here too:
   producer, the caller waits, as `send()` waits for a full batch to drain;
 - one outcome per event: each event's owner is called back with its batch's result or error.
 
+A batch the broker refuses for what it holds (a record above the topic's max.message.bytes, an invalid record: a
+non-retriable error that is not about the producer itself) can be sent again one record at a time
+(`isolate_refused`, the worker's choice), so only the records the broker refuses alone fail, each with a
+RecordRefusedError that carries it. Retriable errors never get here: the producer retries those itself, with its
+backoff, until the batch expires (the worker's producer: 20 minutes).
+
 One batcher serves every stream of one producer, so events of many sessions share batches.
 """
 
@@ -25,15 +31,46 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, ProducerClosed
+from aiokafka import errors as kafka_errors
+from aiokafka.errors import BrokerResponseError, KafkaError, MessageSizeTooLargeError, ProducerClosed
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.record.memory_records import MemoryRecords
 
-__all__ = ["Batch", "DeliveryCallback", "PartitionBatcher", "default_partition", "key_hash"]
+__all__ = [
+    "Batch", "DeliveryCallback", "PartitionBatcher", "RecordRefusedError", "default_partition", "key_hash",
+    "refused_for_records",
+]  # fmt: skip
 
 DeliveryCallback = Callable[[int, BaseException | None], None]  # (token, error or None)
 AIOKAFKA_MAX_REQUEST_SIZE = 1_048_576  # aiokafka's default, for a producer that does not say
 _SIZE_SLACK = 256  # above any record overhead estimate_size_in_bytes adds: below it, no need to compute it
+
+
+# Non-retriable broker errors about the producer, not the records: sending records again alone cannot help.
+_PRODUCER_ERRORS = tuple(
+    getattr(kafka_errors, name)
+    for name in ("InvalidProducerEpoch", "OutOfOrderSequenceNumber", "UnknownProducerIdError", "ProducerFenced",
+                 "TransactionalIdAuthorizationFailed", "ClusterAuthorizationFailedError", "UnsupportedVersionError")
+    if hasattr(kafka_errors, name)
+)  # fmt: skip
+
+
+def refused_for_records(error: BaseException | None) -> bool:
+    """Whether the broker refused a produce for what the batch holds (retrying the same records cannot succeed,
+    but each record alone may): a non-retriable broker error that is not about the producer's own state."""
+    return isinstance(error, BrokerResponseError) and not error.retriable and not isinstance(error, _PRODUCER_ERRORS)
+
+
+class RecordRefusedError(KafkaError):
+    """The broker refused this one record, sent alone (`cause`, e.g. MessageSizeTooLargeError); it carries the
+    record, so its owner can say what was lost (the worker dead-letters it)."""
+
+    retriable = False
+
+    def __init__(self, topic: str, partition: int, key: bytes | None, value: bytes | None, cause: BaseException):
+        super().__init__(f"{topic}[{partition}] refused a {len(value or b''):,}-byte record: {cause!r}")
+        self.topic, self.partition, self.key, self.value, self.cause = topic, partition, key, value, cause
 
 
 def key_hash(key: bytes) -> int:
@@ -94,6 +131,10 @@ class PartitionBatcher:
         self.max_request_size = int(getattr(producer, "_max_request_size", AIOKAFKA_MAX_REQUEST_SIZE))
         self._closed: BaseException | None = None
         self.failed: BaseException | None = None  # the first delivery error (a flush must not look like success)
+        # Send a batch the broker refused for its records again, a record at a time (refused_for_records); a record
+        # refused alone reaches its owner as RecordRefusedError, and does not count as `failed`.
+        self.isolate_refused = False
+        self._pending: set[asyncio.Future[Any]] = set()  # records sent again alone, and work owners `track`ed
 
     @classmethod
     def for_producer(cls, producer: AIOKafkaProducer) -> PartitionBatcher:
@@ -145,10 +186,23 @@ class PartitionBatcher:
         return batch
 
     async def handed_over(self) -> None:
-        """Wait until every record appended so far is in the producer's accumulator, so its flush() covers it."""
+        """Wait until every record appended so far is in the producer's accumulator, so its flush() covers it (and
+        records being sent again alone, and what owners `track`, are done)."""
         tasks = [state.task for state in self._partitions.values() if state.task is not None]
+        tasks += self._pending
         if tasks:
-            await asyncio.gather(*(asyncio.shield(task) for task in tasks))
+            await asyncio.gather(*(asyncio.shield(task) for task in tasks), return_exceptions=True)
+
+    @property
+    def settling(self) -> bool:
+        """Records are being sent again alone, or an owner's follow-up (a dead letter) is under way."""
+        return bool(self._pending)
+
+    def track(self, work: asyncio.Future[Any]) -> None:
+        """Make `handed_over` (so the producer's flush, so an offset commit) wait for `work`, e.g. a dead letter an
+        owner sends for a RecordRefusedError."""
+        self._pending.add(work)
+        work.add_done_callback(self._pending.discard)
 
     async def room(self, topic: str, partition: int) -> None:
         """Wait until the partition's full batch is taken by the producer (then `append` has room again)."""
@@ -185,14 +239,49 @@ class PartitionBatcher:
             batch.finish(ProducerClosed("the stream stopped before this batch reached the producer"))
             raise
         except Exception as exc:
-            self._finished(batch, exc)
+            self._finished(state, batch, exc)
             return
-        delivery.add_done_callback(lambda future: self._finished(batch, _error(future)))
+        delivery.add_done_callback(lambda future: self._finished(state, batch, _error(future)))
 
-    def _finished(self, batch: Batch, error: BaseException | None) -> None:
+    def _finished(self, state: _Partition, batch: Batch, error: BaseException | None) -> None:
+        if error is not None and self.isolate_refused and refused_for_records(error) and self._closed is None:
+            self.track(self._loop.create_task(self._one_at_a_time(state, batch, error)))
+            return
         if error is not None and self.failed is None:
             self.failed = error
         batch.finish(error)
+
+    async def _one_at_a_time(self, state: _Partition, batch: Batch, error: BaseException) -> None:
+        """Send the records of a refused batch again, each alone: only those the broker refuses alone fail (each
+        owner hears RecordRefusedError); the others are delivered. Their order after the batches that followed
+        this one is lost: only a batch the broker refused gets here."""
+        try:
+            buffer = getattr(batch.builder, "_buffer", None)  # the bytes that were sent (BatchBuilder keeps them)
+            records = [(r.key, r.value) for r in MemoryRecords(bytes(buffer)).next_batch()] if buffer else []
+        except Exception:  # unreadable: the batch fails as a whole, as it would without isolation
+            records = []
+        if len(records) != len(batch.entries):
+            self.failed = self.failed or error
+            batch.finish(error)
+            return
+        for (key, value), (owner, token) in zip(records, batch.entries, strict=True):
+            outcome: BaseException | None = error
+            if len(records) > 1:  # a batch of one was refused already: no need to ask again
+                try:
+                    single = self.producer.create_batch()
+                    single.append(timestamp=None, key=key, value=value)
+                    delivery = await self.producer.send_batch(single, state.topic, partition=state.partition)
+                    await delivery
+                    outcome = None
+                except Exception as exc:
+                    outcome = exc
+            if outcome is not None and refused_for_records(outcome):
+                outcome = RecordRefusedError(state.topic, state.partition, key, value, outcome)
+            elif outcome is not None and self.failed is None:
+                self.failed = outcome
+            owner(token, outcome)
+        if not batch.done.done():
+            batch.done.set_result(None)
 
     def abort(self, error: KafkaError) -> None:
         """Fail every batch not yet handed over and stop the hand-over tasks (the producer is being stopped)."""
