@@ -76,7 +76,7 @@ class FoldConfig:
     max_value_bytes: int = 900_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeRec:
     """A live node and the interval it opened (from_ordinal, valid_from)."""
 
@@ -105,7 +105,7 @@ class NodeRec:
         return cls(**d)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EdgeRec:
     data_json: str
     from_ordinal: int
@@ -228,7 +228,7 @@ class SessionState:
     node_count: int = 0
     edge_count: int = 0
     heads: dict[str, int] = field(default_factory=dict)  # last seq seen per input schema
-    buffer: list[Pending] = field(default_factory=list)  # sorted by (seq, event_id)
+    buffer: list[Pending] = field(default_factory=list)  # sorted by (seq, event_id); change it with buffer_*
     flushes: list[Flush] = field(default_factory=list)  # decided, waiting for their events (replays only)
     next_expiry: int | None = None  # earliest TTL in the store's heap, so the heap is read only when due
     ended: int | None = None  # seq of the SESSION_CLOSED/ARCHIVED that ended the session; nothing applies after
@@ -236,6 +236,7 @@ class SessionState:
     def __post_init__(self) -> None:
         if not self.version_id:
             self.version_id = genesis(self.session_id)
+        self._buffered = sum(map(_SIZE, self.buffer))  # kept by the buffer_* methods: checked after every event
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -278,7 +279,20 @@ class SessionState:
         return cls.from_dict(orjson.loads(data))
 
     def buffer_bytes(self) -> int:
-        return sum(map(_SIZE, self.buffer))
+        return self._buffered
+
+    def buffer_insert(self, pending: Pending) -> None:
+        bisect.insort(self.buffer, pending, key=Pending.sort_key)
+        self._buffered += pending.size
+
+    def buffer_pop(self) -> Pending:
+        pending = self.buffer.pop(0)
+        self._buffered -= pending.size
+        return pending
+
+    def buffer_replace(self, buffer: list[Pending]) -> None:
+        self.buffer = buffer
+        self._buffered = sum(map(_SIZE, buffer))
 
     def ended_reason(self) -> str:
         return (
@@ -343,7 +357,7 @@ class StateFold:
             if seq <= state.applied_seq:  # late: its place in the order has passed
                 self._apply_one(state, store, pending, out, late=True)
             else:
-                bisect.insort(state.buffer, pending, key=Pending.sort_key)
+                state.buffer_insert(pending)
         return out.extend(self._after_heads(state, store))
 
     def _after_heads(self, state: SessionState, store: GraphStore) -> FoldOutput:
@@ -391,7 +405,7 @@ class StateFold:
         """Apply buffered events from the front while `ready` holds."""
         out = FoldOutput()
         while state.buffer and ready(state.buffer[0]):
-            self._apply_one(state, store, state.buffer.pop(0), out, late=False)
+            self._apply_one(state, store, state.buffer_pop(), out, late=False)
         return out
 
     def _release_matching(
@@ -401,7 +415,7 @@ class StateFold:
         out = FoldOutput()
         chosen = [p for p in state.buffer if ready(p)]
         if chosen:
-            state.buffer = [p for p in state.buffer if not ready(p)]
+            state.buffer_replace([p for p in state.buffer if not ready(p)])
             for pending in chosen:
                 self._apply_one(state, store, pending, out, late=late and pending.seq <= state.applied_seq)
         return out
@@ -412,7 +426,8 @@ class StateFold:
                 state.ended = pending.seq
                 reason = state.ended_reason()
                 out.rejected += [(p.schema, p.record, reason) for p in state.buffer if p.schema != LIFECYCLE]
-                state.buffer, state.flushes = [], []
+                state.flushes = []
+                state.buffer_replace([])
             return
         if state.ended is not None:
             out.rejected.append((pending.schema, pending.record, state.ended_reason()))
@@ -456,7 +471,7 @@ class StateFold:
         ordinal = state.ordinal + 1
         stage = _Stage(store, session)
         expired = _expire(heap, stage, time, popped) if heap is not None else []
-        node_ops, edge_ops, tool, kind = self._operations(stage, schema, record)
+        node_ops, edge_ops, tool, kind, auto_data = self._operations(stage, schema, record)
         rollback_to = record.get("rollback_to") if schema == STATE_DELTA else None
         if rollback_to:
             self._rollback(state, stage, rollback_to, time)
@@ -467,7 +482,7 @@ class StateFold:
             ttl = upsert.get("ttl_seconds")
             rec = NodeRec(
                 type=upsert["type"],
-                data_json=_canonical_json(upsert.get("data_json") or "{}"),
+                data_json=auto_data or _canonical_json(upsert.get("data_json") or "{}"),
                 from_ordinal=ordinal,
                 valid_from=time,
                 expires_at=(int(env["event_time"]) + int(ttl) * 1_000_000) if ttl is not None else None,
@@ -479,13 +494,8 @@ class StateFold:
         node_count = state.node_count + stage.node_delta
         if node_count > self.config.max_nodes:
             raise StateError(f"session {session} would hold {node_count} nodes, over max_nodes={self.config.max_nodes}")
-        ops_doc = {
-            "kind": kind,
-            "nodes": [[i, u] for i, u in node_ops],
-            "edges": [[list(k), d] for k, d in edge_ops],
-            "rollback_to": rollback_to,
-            "expired": expired,
-        }
+        # orjson writes the (id, upsert) and (key, data) tuples as the arrays the hash has always covered.
+        ops_doc = {"kind": kind, "nodes": node_ops, "edges": edge_ops, "rollback_to": rollback_to, "expired": expired}
         digest = hashlib.blake2b(
             state.version_id.encode() + b"\n" + orjson.dumps(ops_doc, option=orjson.OPT_SORT_KEYS), digest_size=8
         ).hexdigest()
@@ -561,14 +571,18 @@ class StateFold:
 
     def _operations(
         self, stage: _Stage, schema: str, record: dict[str, Any]
-    ) -> tuple[list[tuple[str, dict[str, Any] | None]], list[tuple[EdgeKey, str | None]], str, str]:
-        """(node ops, edge ops, tool, kind) of one event; auto nodes for dispatches and results."""
+    ) -> tuple[list[tuple[str, dict[str, Any] | None]], list[tuple[EdgeKey, str | None]], str, str, str]:
+        """(node ops, edge ops, tool, kind, auto data) of one event; auto nodes for dispatches and results.
+
+        An auto node's data is encoded twice from the object (as hashed, and canonical for its NodeRec) rather
+        than canonicalised by parsing it back; "" for a delta, whose upserts carry their own data_json.
+        """
         env = record["envelope"]
         lid = env["logical_event_id"]
         if schema == DISPATCH:
             data = {"tool": record["tool"], "step": record["step"], "params": orjson.loads(record["params_json"])}
             node = {"type": "action", "data_json": orjson.dumps(data).decode(), "ttl_seconds": None}
-            return [(f"action:{lid}", node)], [], record["tool"], "action"
+            return [(f"action:{lid}", node)], [], record["tool"], "action", _canonical_dumps(data)
         if schema == TOOL_RESULT:
             data = {
                 "tool": record["tool"],
@@ -579,8 +593,8 @@ class StateFold:
             }
             node = {"type": "tool_result", "data_json": orjson.dumps(data).decode(), "ttl_seconds": None}
             edge = ((f"action:{lid}", f"result:{lid}", "causes"), "{}")
-            return [(f"result:{lid}", node)], [edge], record["tool"], "result"
-        nodes: list[tuple[str, dict[str, Any] | None]] = [(n["id"], dict(n)) for n in record.get("node_upserts") or []]
+            return [(f"result:{lid}", node)], [edge], record["tool"], "result", _canonical_dumps(data)
+        nodes: list[tuple[str, dict[str, Any] | None]] = [(n["id"], n) for n in record.get("node_upserts") or []]
         nodes += [(node_id, None) for node_id in record.get("node_deletes") or []]
         edges: list[tuple[EdgeKey, str | None]] = [
             ((e["src"], e["dst"], e["type"]), e.get("data_json") or "{}") for e in record.get("edge_upserts") or []
@@ -592,7 +606,7 @@ class StateFold:
             if action is not None:
                 tool = action.caused_by_tool
                 edges += [((f"action:{lid}", node_id, "causes"), "{}") for node_id, up in nodes if up is not None]
-        return nodes, edges, tool, "delta"
+        return nodes, edges, tool, "delta", ""
 
     def _rollback(self, state: SessionState, stage: _Stage, target: str, time: int) -> None:
         if target == state.version_id:
@@ -657,7 +671,14 @@ def _expiry(rec: NodeRec | None) -> int | None:
 
 def _canonical_json(text: str) -> str:
     """Data as canonical JSON (sorted keys), so equal data hashes and compares equal."""
+    if text == "{}":  # most edges
+        return text
     return orjson.dumps(orjson.loads(text), option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _canonical_dumps(data: Any) -> str:
+    """`_canonical_json` of data still in hand (no parse)."""
+    return orjson.dumps(data, option=orjson.OPT_SORT_KEYS).decode()
 
 
 class _Stage:
@@ -739,21 +760,18 @@ class _Stage:
             if before == after:
                 continue
             self.store.put_node(self.session, node_id, after)
-            node_changes.append({"node_id": node_id, "op": op, "prev": _interval(before), "next": _interval(after)})
+            node_changes.append({"node_id": node_id, "op": op, "prev": before and before.to_dict(),
+                                 "next": after and after.to_dict()})  # fmt: skip
         for key in sorted(self._edges):
             before, after, op = self._edges[key]
             if before == after:
                 continue
             self.store.put_edge(self.session, key, after)
             edge_changes.append(
-                {"src": key[0], "dst": key[1], "type": key[2], "op": op, "prev": _interval(before),
-                 "next": _interval(after)}
+                {"src": key[0], "dst": key[1], "type": key[2], "op": op, "prev": before and before.to_dict(),
+                 "next": after and after.to_dict()}
             )  # fmt: skip
         return node_changes, edge_changes
-
-
-def _interval(rec: NodeRec | EdgeRec | None) -> dict[str, Any] | None:
-    return None if rec is None else rec.to_dict()
 
 
 def apply_changes(store: GraphStore, version: dict[str, Any]) -> None:
