@@ -3,9 +3,11 @@
 Like with like: the same rows into the same table (the real migrations), the same batch size and insert settings
 (sinks.writer.INSERT_SETTINGS). The baseline is the fastest direct insert of prebuilt columns found: the rows as
 Arrow IPC streams built beforehand (untimed), inserted FORMAT ArrowStream; the same columns as Python lists through
-clickhouse-connect's column insert are printed beside it. The sink is timed on the path the consumer takes for the
-Transitions topic (the Avro bytes as they are on the topic: `add_encoded`, ClickHouse reads the Avro) and on the
-decoded-record path that input topics and the Avro fallback take (`add`: row mapping in Python).
+clickhouse-connect's column insert are printed beside it, and so is the insert of the Avro container the sink would
+hand ClickHouse for the same records, prebuilt (the sink's own cost is the difference). The sink is timed on the
+path the consumer takes for the Transitions topic (the Avro bytes as they are on the topic: `add_encoded`, ClickHouse
+reads the Avro) and on the decoded-record path that input topics and the Avro fallback take (`add`: row mapping in
+Python).
 
 chDB allows one data path per process, so this runs in its own process on a fresh path, with two databases
 (bench_sink for the sink, bench_direct for the direct inserts):
@@ -25,6 +27,7 @@ import pyarrow as pa
 
 from bench.common import Measurement, machine_facts, median_run, write_measurements
 from bench.workload import final_transitions, make_steps
+from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
 from sinks.rows import TABLE_COLUMNS, rows_for
@@ -39,6 +42,7 @@ SINK_ENCODED = "ClickHouseSink"
 SINK_DECODED = "ClickHouseSink, decoded records"
 DIRECT_ARROW = "direct chDB insert (Arrow)"
 DIRECT_COLUMNS = "direct chDB insert (Python columns)"
+DIRECT_AVRO = "direct chDB insert (Avro)"
 TARGET = 0.8
 SINK_ENCODED_COMMAND = (
     "ClickHouseSink(batch_size={batch}).add_encoded('transitions', avro bytes, Transition) per record, as the "
@@ -46,6 +50,7 @@ SINK_ENCODED_COMMAND = (
 )
 SINK_DECODED_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', decoded record) per record; flush()"
 ARROW_COMMAND = "client.raw_insert('transitions', prebuilt Arrow IPC stream, fmt='ArrowStream'), {batch} rows each"
+AVRO_COMMAND = "client.raw_insert('transitions', prebuilt Avro container of the same bytes, fmt='Avro'), {batch} each"
 COLUMNS_COMMAND = "client.insert('transitions', prebuilt columns, column_oriented=True), {batch} rows per insert"
 NAMES = TABLE_COLUMNS["transitions"]
 
@@ -126,6 +131,28 @@ async def _direct_arrow(store: ClickHouseStore, streams: list[bytes]) -> float:
     return time.perf_counter() - started
 
 
+def avro_containers(encoded: list[bytes], batch: int) -> list[bytes]:
+    """The records as the sink hands them to ClickHouse (AvroContainer), built beforehand."""
+    schema = AvroCodec().schemas[TRANSITION]
+    files = []
+    for start in range(0, len(encoded), batch):
+        container = AvroContainer(schema)
+        for value in encoded[start : start + batch]:
+            container.append(value)
+        files.append(container.to_bytes())
+    return files
+
+
+async def _direct_avro(store: ClickHouseStore, files: list[bytes]) -> float:
+    target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
+    started = time.perf_counter()
+    for data in files:
+        await store.call(
+            lambda client, data=data: client.raw_insert(target, names, insert_block=data, fmt="Avro", settings=settings)
+        )
+    return time.perf_counter() - started
+
+
 async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]) -> float:
     names, settings = list(NAMES), dict(INSERT_SETTINGS)
     started = time.perf_counter()
@@ -153,13 +180,16 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
     encoded = [codec.encode(TRANSITION, record) for record in records]  # as the Transitions topic holds them
     batches = column_batches(records, batch)  # the direct inserts get their columns for free
     streams = arrow_streams(store, batches)
+    files = avro_containers(encoded, batch)
     runs: dict[str, Callable[[], Awaitable[float]]] = {
         DIRECT_ARROW: lambda: _direct_arrow(store, streams),
         SINK_ENCODED: lambda: _sink_encoded(store, encoded, batch),
         DIRECT_COLUMNS: lambda: _direct_columns(store, batches),
+        DIRECT_AVRO: lambda: _direct_avro(store, files),
         SINK_DECODED: lambda: _sink_decoded(store, records, batch),
     }
-    db = {DIRECT_ARROW: DIRECT_DB, DIRECT_COLUMNS: DIRECT_DB, SINK_ENCODED: SINK_DB, SINK_DECODED: SINK_DB}
+    db = {DIRECT_ARROW: DIRECT_DB, DIRECT_COLUMNS: DIRECT_DB, DIRECT_AVRO: DIRECT_DB, SINK_ENCODED: SINK_DB}
+    db[SINK_DECODED] = SINK_DB
     await _sink_encoded(store, encoded[:1000], batch)  # warm-up: first inserts create parts, load code
     await _sink_decoded(store, records[:1000], batch)
     await _direct_arrow(store, arrow_streams(store, column_batches(records[:1000], batch)))
@@ -175,18 +205,20 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
     made = {
         name: median_run(SECTION, name, command.format(batch=batch), rows, "rows", samples[name])
         for name, command in (
-            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND),
+            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND), (DIRECT_AVRO, AVRO_COMMAND),
             (SINK_ENCODED, SINK_ENCODED_COMMAND), (SINK_DECODED, SINK_DECODED_COMMAND),
         )
     }  # fmt: skip
-    fastest = min((DIRECT_ARROW, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)
+    fastest = min((DIRECT_ARROW, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)  # of prebuilt columns
     settings = ", ".join(f"{k}={v}" for k, v in INSERT_SETTINGS.items())
     made[fastest].notes.append(f"the baseline: the fastest direct insert this run; prebuilt, untimed; {settings}")
     made[DIRECT_COLUMNS].notes.append(f"rows mapped to columns beforehand (untimed); {components:.1f} components/row")
+    made[DIRECT_AVRO].notes.append("what the sink inserts, prebuilt: the sink's own cost is the difference")
     made[SINK_ENCODED].notes.append("Avro bytes in, as on the topic: ClickHouse decodes them (FORMAT Avro)")
     made[SINK_DECODED].notes.append("decoded records in: row mapping in Python, column insert")
-    for name in (SINK_ENCODED, SINK_DECODED):
-        made[name].baseline = fastest
+    for name in made:
+        if name != fastest:
+            made[name].baseline = fastest
     made[SINK_ENCODED].target = TARGET
     for name, measurement in made.items():
         if name in wrong:
