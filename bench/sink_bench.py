@@ -1,30 +1,57 @@
 """Section 3: ClickHouseSink (add + flush) of N Transition records vs a direct chDB insert of the same rows.
 
+Like with like: the same rows into the same table (the real migrations), the same batch size and insert settings
+(sinks.writer.INSERT_SETTINGS). The baseline is the fastest direct insert of prebuilt columns found: the rows as
+Arrow IPC streams built beforehand (untimed), inserted FORMAT ArrowStream; the same columns as Python lists through
+clickhouse-connect's column insert are printed beside it, and so is the insert of the Avro container the sink would
+hand ClickHouse for the same records, prebuilt (the sink's own cost is the difference). The sink is timed on the
+path the consumer takes for the Transitions topic (the Avro bytes as they are on the topic: `add_encoded`, ClickHouse
+reads the Avro) and on the decoded-record path that input topics and the Avro fallback take (`add`: row mapping in
+Python).
+
 chDB allows one data path per process, so this runs in its own process on a fresh path, with two databases
-(bench_sink for the sink, bench_direct for the direct insert) created by the real migrations:
-    python -m bench.sink_bench --rows N --home DIR --out FILE
+(bench_sink for the sink, bench_direct for the direct inserts):
+    python -m bench.sink_bench --rows N --home DIR [--out FILE]     (without --out it prints the results)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bench.common import Measurement, median_run, write_measurements
+import pyarrow as pa
+
+from bench.common import Measurement, machine_facts, median_run, write_measurements
 from bench.workload import final_transitions, make_steps
+from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
 from sinks.rows import TABLE_COLUMNS, rows_for
-from sinks.writer import ClickHouseSink
+from sinks.writer import INSERT_SETTINGS, ClickHouseSink
 from topics.codec import AvroCodec
+from topics.names import TRANSITION
 from topics.settings import Settings
 
 SECTION = "3. sink"
 SINK_DB, DIRECT_DB = "bench_sink", "bench_direct"
-SINK_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', record) per record; flush() when full + at end"
-DIRECT_COMMAND = "client.insert('transitions', prebuilt columns, column_oriented=True), {batch} rows per insert"
+SINK_ENCODED = "ClickHouseSink"
+SINK_DECODED = "ClickHouseSink, decoded records"
+DIRECT_ARROW = "direct chDB insert (Arrow)"
+DIRECT_COLUMNS = "direct chDB insert (Python columns)"
+DIRECT_AVRO = "direct chDB insert (Avro)"
+TARGET = 0.8
+SINK_ENCODED_COMMAND = (
+    "ClickHouseSink(batch_size={batch}).add_encoded('transitions', avro bytes, Transition) per record, as the "
+    "consumer does; flush() when full + at end"
+)
+SINK_DECODED_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', decoded record) per record; flush()"
+ARROW_COMMAND = "client.raw_insert('transitions', prebuilt Arrow IPC stream, fmt='ArrowStream'), {batch} rows each"
+AVRO_COMMAND = "client.raw_insert('transitions', prebuilt Avro container of the same bytes, fmt='Avro'), {batch} each"
+COLUMNS_COMMAND = "client.insert('transitions', prebuilt columns, column_oriented=True), {batch} rows per insert"
 NAMES = TABLE_COLUMNS["transitions"]
 
 
@@ -58,8 +85,31 @@ def column_batches(records: list[dict[str, Any]], batch: int) -> list[list[list[
     return batches
 
 
-async def _sink_once(store: ClickHouseStore, records: list[dict[str, Any]], batch: int) -> float:
-    await store.command(f"TRUNCATE TABLE {SINK_DB}.transitions")
+def arrow_streams(store: ClickHouseStore, batches: list[list[list[Any]]]) -> list[bytes]:
+    """Each batch as an Arrow IPC stream typed as ClickHouse reads the table back (so nothing is converted)."""
+    columns = ", ".join(f"`{name}`" for name in NAMES)
+    schema = store.call_sync(lambda c: c.query_arrow(f"SELECT {columns} FROM {DIRECT_DB}.transitions LIMIT 0")).schema
+    streams = []
+    for batch in batches:
+        arrays = [pa.array(column, type=field.type) for column, field in zip(batch, schema, strict=True)]
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
+        streams.append(sink.getvalue().to_pybytes())
+    return streams
+
+
+async def _sink_encoded(store: ClickHouseStore, encoded: list[bytes], batch: int) -> float:
+    sink = ClickHouseSink(store, batch_size=batch)
+    started = time.perf_counter()
+    for value in encoded:
+        if sink.add_encoded("transitions", value, TRANSITION):
+            await sink.flush()
+    await sink.flush()
+    return time.perf_counter() - started
+
+
+async def _sink_decoded(store: ClickHouseStore, records: list[dict[str, Any]], batch: int) -> float:
     sink = ClickHouseSink(store, batch_size=batch)
     started = time.perf_counter()
     for record in records:
@@ -69,59 +119,147 @@ async def _sink_once(store: ClickHouseStore, records: list[dict[str, Any]], batc
     return time.perf_counter() - started
 
 
-async def _direct_once(store: ClickHouseStore, batches: list[list[list[Any]]]) -> float:
-    await store.command(f"TRUNCATE TABLE {DIRECT_DB}.transitions")
+async def _direct_arrow(store: ClickHouseStore, streams: list[bytes]) -> float:
+    target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
     started = time.perf_counter()
-    for columns in batches:
+    for stream in streams:
         await store.call(
-            lambda client, columns=columns: client.insert(
-                "transitions", columns, column_names=list(NAMES), database=DIRECT_DB, column_oriented=True
+            lambda client, stream=stream: client.raw_insert(
+                target, names, insert_block=stream, fmt="ArrowStream", settings=settings
             )
         )
     return time.perf_counter() - started
 
 
+def avro_containers(encoded: list[bytes], batch: int) -> list[bytes]:
+    """The records as the sink hands them to ClickHouse (AvroContainer), built beforehand."""
+    schema = AvroCodec().schemas[TRANSITION]
+    files = []
+    for start in range(0, len(encoded), batch):
+        container = AvroContainer(schema)
+        for value in encoded[start : start + batch]:
+            container.append(value)
+        files.append(container.to_bytes())
+    return files
+
+
+async def _direct_avro(store: ClickHouseStore, files: list[bytes]) -> float:
+    target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
+    started = time.perf_counter()
+    for data in files:
+        await store.call(
+            lambda client, data=data: client.raw_insert(target, names, insert_block=data, fmt="Avro", settings=settings)
+        )
+    return time.perf_counter() - started
+
+
+async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]) -> float:
+    names, settings = list(NAMES), dict(INSERT_SETTINGS)
+    started = time.perf_counter()
+    for columns in batches:
+        await store.call(
+            lambda client, columns=columns: client.insert(
+                "transitions", columns, column_names=names, database=DIRECT_DB, column_oriented=True,
+                settings=settings,
+            )
+        )  # fmt: skip
+    return time.perf_counter() - started
+
+
+async def _timed(store: ClickHouseStore, db: str, rows: int, run: Callable[[], Awaitable[float]]) -> tuple[float, bool]:
+    """One run into an emptied table: its seconds, and whether the table then holds exactly `rows` rows."""
+    await store.command(f"TRUNCATE TABLE {db}.transitions")
+    elapsed = await run()
+    count = (await store.query(f"SELECT count() FROM {db}.transitions")).result_rows[0][0]
+    return elapsed, count == rows
+
+
 async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> list[Measurement]:
     records = transitions(rows)
-    batches = column_batches(records, batch)  # the direct insert gets its columns for free
-    await _sink_once(store, records[:1000], batch)  # warm-up: first inserts create parts, load code
-    await _direct_once(store, column_batches(records[:1000], batch))
-    direct_samples, sink_samples = [], []
-    for _ in range(repeats):
-        direct_samples.append(await _direct_once(store, batches))
-        sink_samples.append(await _sink_once(store, records, batch))
-    counts = [
-        (await store.query(f"SELECT count() FROM {db}.transitions")).result_rows[0][0] for db in (DIRECT_DB, SINK_DB)
-    ]
-    check = "row counts match" if counts == [rows, rows] else f"ROW COUNTS {counts} != {rows}"
+    codec = AvroCodec()
+    encoded = [codec.encode(TRANSITION, record) for record in records]  # as the Transitions topic holds them
+    batches = column_batches(records, batch)  # the direct inserts get their columns for free
+    streams = arrow_streams(store, batches)
+    files = avro_containers(encoded, batch)
+    runs: dict[str, Callable[[], Awaitable[float]]] = {
+        DIRECT_ARROW: lambda: _direct_arrow(store, streams),
+        SINK_ENCODED: lambda: _sink_encoded(store, encoded, batch),
+        DIRECT_COLUMNS: lambda: _direct_columns(store, batches),
+        DIRECT_AVRO: lambda: _direct_avro(store, files),
+        SINK_DECODED: lambda: _sink_decoded(store, records, batch),
+    }
+    db = {DIRECT_ARROW: DIRECT_DB, DIRECT_COLUMNS: DIRECT_DB, DIRECT_AVRO: DIRECT_DB, SINK_ENCODED: SINK_DB}
+    db[SINK_DECODED] = SINK_DB
+    await _sink_encoded(store, encoded[:1000], batch)  # warm-up: first inserts create parts, load code
+    await _sink_decoded(store, records[:1000], batch)
+    await _direct_arrow(store, arrow_streams(store, column_batches(records[:1000], batch)))
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    wrong: set[str] = set()
+    for repeat in range(repeats):  # alternating, and each repeat in the other order, so drift hits every path
+        for name in runs if repeat % 2 == 0 else reversed(runs):
+            elapsed, right = await _timed(store, db[name], rows, runs[name])
+            samples[name].append(elapsed)
+            if not right:
+                wrong.add(name)
     components = sum(len(r["reward_components"]) for r in records) / rows
-    direct = median_run(
-        SECTION, "direct chDB insert", DIRECT_COMMAND.format(batch=batch), rows, "rows", direct_samples,
-        notes=[f"rows mapped to columns beforehand (untimed); {components:.1f} reward components/row"],
-    )  # fmt: skip
-    sink = median_run(
-        SECTION, "ClickHouseSink", SINK_COMMAND.format(batch=batch), rows, "rows", sink_samples,
-        baseline="direct chDB insert", notes=[f"decoded records in: row mapping + buffering + insert; {check}"],
-    )  # fmt: skip
-    return [direct, sink]
+    made = {
+        name: median_run(SECTION, name, command.format(batch=batch), rows, "rows", samples[name])
+        for name, command in (
+            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND), (DIRECT_AVRO, AVRO_COMMAND),
+            (SINK_ENCODED, SINK_ENCODED_COMMAND), (SINK_DECODED, SINK_DECODED_COMMAND),
+        )
+    }  # fmt: skip
+    fastest = min((DIRECT_ARROW, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)  # of prebuilt columns
+    settings = ", ".join(f"{k}={v}" for k, v in INSERT_SETTINGS.items())
+    made[fastest].notes.append(f"the baseline: the fastest direct insert this run; prebuilt, untimed; {settings}")
+    made[DIRECT_COLUMNS].notes.append(f"rows mapped to columns beforehand (untimed); {components:.1f} components/row")
+    made[DIRECT_AVRO].notes.append("what the sink inserts, prebuilt: the sink's own cost is the difference")
+    made[SINK_ENCODED].notes.append("Avro bytes in, as on the topic: ClickHouse decodes them (FORMAT Avro)")
+    made[SINK_DECODED].notes.append("decoded records in: row mapping in Python, column insert")
+    for name in made:
+        if name != fastest:
+            made[name].baseline = fastest
+    made[SINK_ENCODED].target = TARGET
+    for name, measurement in made.items():
+        if name in wrong:
+            measurement.failed_checks.append(f"{name}: the table did not hold exactly {rows:,} rows after a run")
+    return list(made.values())
+
+
+def report(results: list[Measurement]) -> str:
+    """The results as plain lines: rate, ratio to the baseline, the samples, and the machine."""
+    by_name = {m.name: m for m in results}
+    lines = [machine_facts()]
+    for m in results:
+        base = by_name.get(m.baseline or "")
+        ratio = f"  {m.rate / base.rate:.2f}x {base.name}" if base is not None else "  (baseline)"
+        if m.target is not None and base is not None:
+            ratio += f"  target >= {m.target:.2f}x: {'ok' if m.rate / base.rate >= m.target else 'MISSED'}"
+        samples = " / ".join(f"{s:.3f}" for s in m.samples)
+        lines.append(f"{m.name:38} {m.rate:>10,.0f} rows/s{ratio}  (runs {samples} s){' '.join(m.failed_checks)}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, required=True)
-    parser.add_argument("--home", required=True)
+    parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--home", help="chDB home (a fresh temporary directory without it)")
     parser.add_argument("--batch-size", type=int, default=Settings().sink_batch_size)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="write the measurements as JSON here instead of printing them")
     args = parser.parse_args()
-    store = ClickHouseStore.open(Settings(home=args.home), database=SINK_DB)
-    try:
-        apply_migrations(store)
-        store.call_sync(lambda client: apply_pending(client, DIRECT_DB))
-        results = asyncio.run(bench(store, args.rows, args.batch_size, args.repeats))
-    finally:
-        store.close()
-    write_measurements(args.out, results)
+    with tempfile.TemporaryDirectory(prefix="treadle-sink-bench-") as scratch:
+        store = ClickHouseStore.open(Settings(home=args.home or scratch), database=SINK_DB)
+        try:
+            apply_migrations(store)
+            store.call_sync(lambda client: apply_pending(client, DIRECT_DB))
+            results = asyncio.run(bench(store, args.rows, args.batch_size, args.repeats))
+        finally:
+            store.close()
+    if args.out:
+        write_measurements(args.out, results)
+    else:
+        print(report(results))
 
 
 if __name__ == "__main__":

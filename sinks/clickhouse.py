@@ -277,13 +277,20 @@ class ClickHouseStore:
         """Insert rows (or columns, with column_oriented=True) into `table` of the store's database."""
         return await self.call(_inserter(table, data, column_names, column_oriented, settings, self.database))
 
-    async def insert_avro(self, table: str, container: bytes, column_names: Sequence[str]) -> int:
+    async def insert_avro(
+        self,
+        table: str,
+        container: bytes,
+        column_names: Sequence[str],
+        settings: Mapping[str, Any] | None = None,
+    ) -> int:
         """Insert an Avro object container file (FORMAT Avro; fields matched to `column_names` by name) into `table`."""
 
         def insert(client: Client) -> int:
             names = list(column_names)
             target = f"{self.database}.{checked_identifier(table)}"
-            return client.raw_insert(target, names, insert_block=container, fmt="Avro").written_rows
+            chosen = dict(settings) if settings else None
+            return client.raw_insert(target, names, insert_block=container, fmt="Avro", settings=chosen).written_rows
 
         return await self.call(insert)
 

@@ -7,9 +7,8 @@ rejected_rows row instead (migration 0015), its source topic/partition/offset po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 MAX_VALUE_BYTES = 65_536  # enough to see what the record was; the whole one stays in Kafka at topic/partition/offset
 MAX_REASON_CHARS = 2_000
@@ -20,9 +19,9 @@ class RejectStage(StrEnum):
     INSERT = "INSERT"  # ClickHouse refused the record's row when inserted alone
 
 
-@dataclass(frozen=True, slots=True)
-class RowSource:
-    """Where a buffered row came from."""
+class RowSource(NamedTuple):
+    """Where a buffered row came from (a NamedTuple: the sink makes one per record, and a frozen dataclass's
+    __init__ cost several times a tuple's)."""
 
     topic: str
     partition: int
