@@ -739,17 +739,8 @@ class _Stage:
 
     def size(self) -> int:
         """The staged changes' bytes in a version record (as `commit` will list them), measured."""
-        changes = [
-            {"node_id": node_id, "op": op, "prev": _interval(before), "next": _interval(after)}
-            for node_id, (before, after, op) in self._nodes.items()
-            if before != after
-        ]
-        changes += [
-            {"src": key[0], "dst": key[1], "type": key[2], "op": op, "prev": _interval(before),
-             "next": _interval(after)}
-            for key, (before, after, op) in self._edges.items()
-            if before != after
-        ]  # fmt: skip
+        changes = [_node_change(n, *staged) for n, staged in self._nodes.items() if staged[0] != staged[1]]
+        changes += [_edge_change(k, *staged) for k, staged in self._edges.items() if staged[0] != staged[1]]
         return len(orjson.dumps(changes)) + 1024  # and the version's other fields
 
     def commit(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -760,18 +751,31 @@ class _Stage:
             if before == after:
                 continue
             self.store.put_node(self.session, node_id, after)
-            node_changes.append({"node_id": node_id, "op": op, "prev": before and before.to_dict(),
-                                 "next": after and after.to_dict()})  # fmt: skip
+            node_changes.append(_node_change(node_id, before, after, op))
         for key in sorted(self._edges):
             before, after, op = self._edges[key]
             if before == after:
                 continue
             self.store.put_edge(self.session, key, after)
-            edge_changes.append(
-                {"src": key[0], "dst": key[1], "type": key[2], "op": op, "prev": before and before.to_dict(),
-                 "next": after and after.to_dict()}
-            )  # fmt: skip
+            edge_changes.append(_edge_change(key, before, after, op))
         return node_changes, edge_changes
+
+
+def _node_change(node_id: str, before: NodeRec | None, after: NodeRec | None, op: str) -> dict[str, Any]:
+    """A node's change as a StateVersion lists it."""
+    return {"node_id": node_id, "op": op, "prev": before and before.to_dict(), "next": after and after.to_dict()}
+
+
+def _edge_change(key: EdgeKey, before: EdgeRec | None, after: EdgeRec | None, op: str) -> dict[str, Any]:
+    """An edge's change as a StateVersion lists it."""
+    return {
+        "src": key[0],
+        "dst": key[1],
+        "type": key[2],
+        "op": op,
+        "prev": before and before.to_dict(),
+        "next": after and after.to_dict(),
+    }
 
 
 def apply_changes(store: GraphStore, version: dict[str, Any]) -> None:
