@@ -6,7 +6,6 @@ and is stopped at the end. Kafka's jars are cached in the repository's .treadle/
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import isolated_deployment
 from tests.paths import REPO_ROOT
 from topics.settings import Settings
 from treadle.devstack.worker_process import WorkerProcess
@@ -50,23 +50,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 @pytest.fixture
 def deployment(stack: Settings, tmp_path: Path) -> Settings:
     """Settings for one isolated deployment: its own topic prefix, app id, home and web port."""
-    from streams.runtime.worker import prepare_cluster
-
     n = next(_COUNTER)
-    name = f"t{os.getpid()}x{n}"
-    settings = stack.model_copy(
-        update={
-            "home": tmp_path / "home",
-            "topic_prefix": name,
-            "app_id": name,
-            # Both ranges sit below PORT_BASE, clear of the broker's and Valkey's ports above it.
-            "web_port": PORT_BASE - 1000 + (os.getpid() % 200) * 2 + n % 2,
-            "sql_port": PORT_BASE - 500 + (os.getpid() % 200) * 2 + n % 2,
-            "sink_flush_seconds": 0.2,
-        }
+    # Both port ranges sit below PORT_BASE, clear of the broker's and Valkey's ports above it.
+    slot = (os.getpid() % 200) * 2 + n % 2
+    return isolated_deployment(
+        stack, tmp_path / "home", f"t{os.getpid()}x{n}", PORT_BASE - 1000 + slot, PORT_BASE - 500 + slot
     )
-    asyncio.run(prepare_cluster(settings))
-    return settings
 
 
 @pytest.fixture

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -80,6 +82,7 @@ KIND_OF = {
     "treadle.events.RewardSignal": "rewards",
     "treadle.events.LifecycleEvent": "lifecycle",
     "treadle.events.LlmCall": "llm_calls",
+    "treadle.events.StateDelta": "state_deltas",
 }
 
 
@@ -109,6 +112,32 @@ class RawProducer:
 
     async def flush(self) -> None:
         await self.producer.flush()
+
+
+def isolated_deployment(base: Settings, home: Path, name: str, web_port: int, sql_port: int) -> Settings:
+    """Settings for one deployment on a running stack: its own topics (created here), app id, home and ports."""
+    from streams.runtime.worker import prepare_cluster
+
+    settings = base.model_copy(
+        update={
+            "home": home,
+            "topic_prefix": name,
+            "app_id": name,
+            "web_port": web_port,
+            "sql_port": sql_port,
+            "sink_flush_seconds": 0.2,
+        }
+    )
+    asyncio.run(prepare_cluster(settings))
+    return settings
+
+
+async def send_records(settings: Settings, events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Send (schema name, record) pairs in order, keyed by session, and wait for the broker's acknowledgements."""
+    async with RawProducer(settings) as producer:
+        for schema_name, record in events:
+            await producer.send(schema_name, record)
+        await producer.flush()
 
 
 def wait_for(

@@ -20,13 +20,13 @@ from typer.testing import CliRunner
 from processors.contracts.fold import ContractBook
 from sinks.clickhouse import ClickHouseStore
 from sinks.sql_client import run_sql
-from tests.factories import RawProducer, wait_for
+from tests.factories import send_records, wait_for
 from tests.paths import REPO_ROOT
 from tests.unit.test_contracts import WRITE_FILE, envelope, run_fold, versions_of, workload
 from topics.catalog import TopicCatalog
 from topics.contract_registry import ContractRegistry
 from topics.contracts import load_contract
-from topics.names import DISPATCH, REWARD, STATE_DELTA, TOOL_RESULT
+from topics.names import REWARD
 from topics.node_types import NodeTypeRegistry
 from topics.settings import Settings
 from treadle.cli import app
@@ -36,7 +36,6 @@ from treadle.state.history import state_at
 
 pytestmark = pytest.mark.integration
 
-KIND = {STATE_DELTA: "state_deltas", DISPATCH: "actions", TOOL_RESULT: "tool_results", REWARD: "rewards"}
 POLICY = {
     "version": "contracts-veto-1",
     "fusion": {
@@ -65,15 +64,6 @@ async def register(settings: Settings) -> None:
     await NodeTypeRegistry(settings.kafka_bootstrap_servers, catalog["node_types"].name).register("file", FILE_SCHEMA)
     registry = ContractRegistry(settings.kafka_bootstrap_servers, catalog["contracts"].name, catalog["node_types"].name)
     await registry.register(load_contract(WRITE_FILE))  # effective from event time 0: every step uses it
-
-
-async def send(settings: Settings, events: list[tuple[str, dict]]) -> None:
-    async with RawProducer(settings) as producer:
-        for schema, record in events:
-            topic = producer.catalog[KIND[schema]].name
-            value = producer.codec.encode(schema, record)
-            await producer.producer.send(topic, value, key=record["envelope"]["session_id"].encode())
-        await producer.flush()
 
 
 def judge(session: str, lid: str, seq: int) -> tuple[str, dict]:
@@ -109,7 +99,7 @@ def test_violations_land_with_clause_and_values_a_veto_and_provenance(deployment
     worker = new_worker(deployment).start()
     try:
         worker.wait_ready()
-        asyncio.run(send(deployment, events))
+        asyncio.run(send_records(deployment, events))
         where = f"session_id = '{session}'"
         wait_for(lambda: len(checks(deployment, where)) == 6, 120, "six contract checks",
                  explain=lambda: f"{checks(deployment, where)}\n{worker.log_tail(30)}")  # fmt: skip
@@ -198,10 +188,10 @@ def test_kill_9_mid_stream_gives_the_same_check_rows(deployment: Settings) -> No
     halves = [(events[: len(events) // 2], events[len(events) // 2 :]) for events in sessions.values()]
     worker = new_worker(deployment).start()
     worker.wait_ready()
-    asyncio.run(send(deployment, [e for first, _ in halves for e in first]))
+    asyncio.run(send_records(deployment, [e for first, _ in halves for e in first]))
     wait_for(lambda: len(checks(deployment, "1")) > 10, 120, "some checks before the kill")
     worker.kill()
-    asyncio.run(send(deployment, [e for _, second in halves for e in second]))
+    asyncio.run(send_records(deployment, [e for _, second in halves for e in second]))
     worker = new_worker(deployment).start()
     try:
         worker.wait_ready()

@@ -22,7 +22,7 @@ from sinks.sql_client import run_sql
 from streams.runtime.app import build_pipeline
 from streams.sdk import AgentStream
 from streams.sdk.producer import create_producer, producer_config
-from tests.factories import wait_for
+from tests.factories import isolated_deployment, wait_for
 from tests.paths import REPO_ROOT
 from topics.catalog import TopicCatalog
 from topics.settings import KAFKA_MAX_MESSAGE_BYTES, Settings
@@ -57,22 +57,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
 
 @pytest.fixture
 def deployment(cluster: Settings, tmp_path: Path) -> Settings:
-    from streams.runtime.worker import prepare_cluster
-
     n = next(_COUNTER)
-    name = f"c{os.getpid()}x{n}"
-    settings = cluster.model_copy(
-        update={
-            "home": tmp_path / "home",
-            "topic_prefix": name,
-            "app_id": name,
-            "web_port": PORT_BASE - 300 + n,
-            "sql_port": PORT_BASE - 250 + n,
-            "sink_flush_seconds": 0.2,
-        }
+    return isolated_deployment(
+        cluster, tmp_path / "home", f"c{os.getpid()}x{n}", PORT_BASE - 300 + n, PORT_BASE - 250 + n
     )
-    asyncio.run(prepare_cluster(settings))
-    return settings
 
 
 @pytest.fixture

@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 from processors.state.graph import FoldConfig, MemoryStore, SessionState, StateFold
 from sinks.sql_client import run_sql
 from streams.runtime.value_limits import ValueBudget
-from tests.factories import BASE_TIME, RawProducer, dispatch, result, scrape, total, wait_for
+from tests.factories import BASE_TIME, dispatch, result, scrape, send_records, total, wait_for
 from tests.integration.test_llm_judge import JudgeServer, judge_components
 from tests.integration.test_state_graph import SESSION, T0, delta
-from topics.catalog import TopicCatalog
 from topics.ids import uuid7
 from topics.names import STATE_DELTA
 from topics.settings import Settings
@@ -79,19 +78,6 @@ def test_a_budget_asks_to_measure_before_its_bound_could_pass_the_limit(limit: i
 # -- end to end ----------------------------------------------------------------------------------------------------
 
 
-async def send(settings: Settings, events: list[tuple[str, dict]]) -> None:
-    catalog = TopicCatalog(settings)
-    async with RawProducer(settings) as producer:
-        for schema, record in events:
-            if schema == STATE_DELTA:
-                value = producer.codec.encode(schema, record)
-                key = record["envelope"]["session_id"].encode()
-                await producer.producer.send(catalog["state_deltas"].name, value, key=key)
-            else:
-                await producer.send(schema, record)
-        await producer.flush()
-
-
 def limit_letters(settings: Settings, sessions: list[str]) -> dict[str, list[str]]:
     where = ", ".join(f"'{s}'" for s in sessions)
     _, rows = run_sql(
@@ -139,7 +125,7 @@ def test_credit_llm_judge_and_state_refuse_the_event_that_would_pass_the_limit(
         )  # fmt: skip
         worker = worker_factory(settings).start()
         worker.wait_ready()
-        asyncio.run(send(settings, credit_events + judge_events + state_events))
+        asyncio.run(send_records(settings, credit_events + judge_events + state_events))
 
         sessions = [credit_s, judge_s, state_s]
         letters = wait_for(

@@ -20,9 +20,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from processors.state.cache import StateCache, connect, redis_url
 from processors.state.graph import MemoryStore, SessionState, StateFold
 from sinks.sql_client import run_sql
-from tests.factories import RawProducer, scrape, total, wait_for
+from tests.factories import scrape, send_records, total, wait_for
 from tests.integration.test_state_graph import arrival, build, delta, env
-from topics.names import DISPATCH, LIFECYCLE, STATE_DELTA, TOOL_RESULT
+from topics.names import LIFECYCLE, STATE_DELTA
 from topics.settings import Settings
 from treadle import AgentStreamSync
 from treadle.state.history import state_at
@@ -30,7 +30,6 @@ from treadle.state.history import state_at
 pytestmark = pytest.mark.integration
 
 T0 = int(time.time() * 1_000_000) + 600_000_000  # ahead of the wall clock, so Redis field TTLs have not run out
-KIND = {STATE_DELTA: "state_deltas", DISPATCH: "actions", TOOL_RESULT: "tool_results", LIFECYCLE: "lifecycle"}
 
 
 def random_ops(rng: random.Random, n: int) -> list[tuple]:
@@ -50,15 +49,6 @@ def random_ops(rng: random.Random, n: int) -> list[tuple]:
         else:
             ops.append(("sleep", rng.randint(5, 40)))
     return ops
-
-
-async def send(settings: Settings, events: list[tuple[str, dict]]) -> None:
-    async with RawProducer(settings) as producer:
-        for schema, record in events:
-            topic = producer.catalog[KIND[schema]].name
-            value = producer.codec.encode(schema, record)
-            await producer.producer.send(topic, value, key=record["envelope"]["session_id"].encode())
-        await producer.flush()
 
 
 def version_rows(settings: Settings, session: str) -> list[list]:
@@ -118,7 +108,7 @@ def test_state_at_every_version_matches_the_oracle_in_clickhouse_and_redis(deplo
     rng = random.Random(5)
     arrived = [e for _, events, _, _ in runs for e in arrival(events, rng, 0.1)]
     worker.wait_ready()
-    asyncio.run(send(deployment, arrived))
+    asyncio.run(send_records(deployment, arrived))
     for session, _, oracle, ids in runs:
         expected = [[i, v] for i, v in enumerate(ids) if i > 0]
         wait_for(lambda s=session, e=expected: distinct_versions(deployment, s) == e, 90, f"versions of {session}")
@@ -188,7 +178,7 @@ def test_kill_9_leaves_no_missing_or_duplicate_versions(deployment, worker_facto
     rng = random.Random(9)
     worker = worker_factory().start()
     worker.wait_ready()
-    asyncio.run(send(deployment, [e for events in first for e in arrival(events, rng, 0.05)]))
+    asyncio.run(send_records(deployment, [e for events in first for e in arrival(events, rng, 0.05)]))
     if moment == "busy":  # conditions, not sleeps: once some versions are in ClickHouse...
         wait_for(lambda: sum(len(distinct_versions(deployment, s)) for s, *_ in runs) > 20, 90, "some versions")
     else:  # ... or once every session's first half is, the last of it released by a flush
@@ -196,7 +186,7 @@ def test_kill_9_leaves_no_missing_or_duplicate_versions(deployment, worker_facto
         for (session, *_), n in zip(runs, halves, strict=True):
             wait_for(lambda s=session, n=n: len(distinct_versions(deployment, s)) == n, 90, f"first half of {session}")
     worker.kill()
-    asyncio.run(send(deployment, [e for events in second for e in arrival(events, rng, 0.05)]))
+    asyncio.run(send_records(deployment, [e for events in second for e in arrival(events, rng, 0.05)]))
     worker_factory().start().wait_ready()
     for session, _, _, ids in runs:
         expected = [[i, v] for i, v in enumerate(ids) if i > 0]
@@ -265,7 +255,7 @@ def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(depl
     arrived.insert(len(arrived) - 4, close_event(closed, last_seq + 1, oracle.time))  # ahead of events below it
     worker = worker_factory(settings).start()
     worker.wait_ready()
-    asyncio.run(send(settings, [*arrived, *arrival(open_events, rng, 0.1)]))
+    asyncio.run(send_records(settings, [*arrived, *arrival(open_events, rng, 0.1)]))
     for session, session_ids in ((closed, ids), (still_open, open_ids)):
         expected = [[i, v] for i, v in enumerate(session_ids) if i > 0]
         wait_for(lambda s=session, e=expected: distinct_versions(settings, s) == e, 90, f"versions of {session}")
@@ -297,7 +287,7 @@ def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(depl
         assert set(edges) == want_edges, f"{closed} @ {ordinal}"
 
     after = delta(last_seq + 2, oracle.time, ups=[("late", "note", {"v": 1}, None)], session=closed)
-    asyncio.run(send(settings, [(STATE_DELTA, after)]))
+    asyncio.run(send_records(settings, [(STATE_DELTA, after)]))
     wait_for(lambda: any("ended" in r for r in dead_letter_reasons(settings, closed)), 60, "a dead letter")
     refused = total(scrape(settings), "treadle_dead_letters_total", stage="PROCESS", schema=STATE_DELTA)
     assert refused >= 1  # the refusal is counted like any dead letter
