@@ -5,10 +5,10 @@ event time, the largest event time seen (envelope.event_time, sent_at, ticks), a
 deadlines) fire when it passes them. A repeated input changes nothing, so a replay after a crash decides the same.
 
 Admission control: an attempt is counted against one live executor of its resource class whose advertised free
-capacity, less what released attempts not yet listed in any heartbeat's `running` still hold, covers its profile in
-GPU memory, GPUs and CPU slots at once. A timed-out attempt (its executor may still be running it) holds on until that
-executor says, in a heartbeat sent after the timeout, that it does not run it. docs/plans.md has the rules;
-`PlanScheduler` is the fold.
+capacity, less what the attempts counted against it that its last heartbeat does not list in `running` hold, covers
+its profile in GPU memory, GPUs and CPU slots at once. A timed-out attempt (its executor may still be running it)
+holds on until that executor says, in a heartbeat sent after the timeout, that it does not run it. docs/plans.md has
+the rules; `PlanScheduler` is the fold.
 """
 
 from __future__ import annotations
@@ -174,10 +174,13 @@ class PlanScheduler:
         self.now = 0
         self._plans: dict[tuple[str, str], _Plan] = {}
         self._executors: dict[str, _Executor] = {}
-        self._held: dict[str, _Node] = {}  # released attempts not yet ended, by attempt key
-        # timed-out attempts whose executor may still run them: (executor, profile, timed out at), by attempt key
-        self._zombies: dict[str, tuple[str | None, Resources, int]] = {}
+        # attempts counted against each executor, by attempt key: released and not ended, or timed out (its
+        # executor may still run it) with the time it timed out
+        self._counted: dict[str, dict[str, tuple[Resources, int | None]]] = {}
+        self._unlisted: dict[str, Resources] = {}  # per executor: what its counted attempts hold, less what it lists
         self._ready: dict[str, dict[tuple[int, int], _Node]] = {}  # by resource class, then (plan seq, index)
+        self._floor: dict[str, Resources] = {}  # per class: the least of every profile ever ready, component-wise
+        self._dirty: set[str] = set()  # resource classes where a subgoal became ready or room grew since the last pass
         # (due, seq, kind, session, plan, subgoal, attempt); kind: "deadline" or "retry"
         self._timers: list[tuple[int, int, str, str, str, str, int]] = []
         self._timer_seq = 0
@@ -261,9 +264,14 @@ class PlanScheduler:
                 expires_at=sent_at + round(float(record.get("valid_for_s", 30.0)) * MICROS),
             )
             running = self._executors[executor_id].running
-            for key, (holder, _, timed_out_at) in list(self._zombies.items()):
-                if holder == executor_id and sent_at >= timed_out_at and key not in running:
-                    del self._zombies[key]  # it said, after the timeout, that it does not run the attempt
+            counted = self._counted.setdefault(executor_id, {})
+            for key, (_, timed_out_at) in list(counted.items()):
+                if timed_out_at is not None and sent_at >= timed_out_at and key not in running:
+                    del counted[key]  # it said, after the timeout, that it does not run the attempt
+            self._unlisted[executor_id] = sum((p for k, (p, _) in counted.items() if k not in running), Resources())
+            self._dirty.add(record["resource_class"])
+            if known is not None:
+                self._dirty.add(known.resource_class)
         self._release(out)
         return out
 
@@ -278,16 +286,11 @@ class PlanScheduler:
 
     def available(self, resource_class: str) -> dict[str, Resources]:
         """Capacity still free per live executor of the class: advertised, less the attempts held against it."""
-        live = {eid: ex for eid, ex in self._executors.items() if ex.expires_at > self.now}
-        listed = frozenset().union(*(ex.running for ex in live.values()))
-        free = {eid: ex.free for eid, ex in sorted(live.items()) if ex.resource_class == resource_class}
-        for key, node in self._held.items():
-            if key not in listed and node.executor_id in free:
-                free[node.executor_id] = free[node.executor_id] - node.profile
-        for key, (holder, profile, _) in self._zombies.items():
-            if key not in listed and holder in free:
-                free[holder] = free[holder] - profile
-        return free
+        return {
+            eid: ex.free - self._unlisted.get(eid, Resources())
+            for eid, ex in sorted(self._executors.items())
+            if ex.resource_class == resource_class and ex.expires_at > self.now
+        }
 
     # -- the fold ------------------------------------------------------------------------------------------------
 
@@ -312,8 +315,7 @@ class PlanScheduler:
                     "attempt": node.attempt, "last_seen_at": node.last_seen,
                     "deadline_s": float(node.spec["deadline_s"]), "decided_at": self.now,
                 }))  # fmt: skip
-                self._zombies[node.attempt_key] = (node.executor_id, node.profile, self.now)
-                self._fail(node, TIMEOUT, out)
+                self._fail(node, TIMEOUT, out, timed_out=True)
         return out
 
     def _set_timer(self, node: _Node, kind: str, due: int) -> None:
@@ -324,15 +326,44 @@ class PlanScheduler:
     def _make_ready(self, node: _Node) -> None:
         node.state = NodeState.READY
         self._ready.setdefault(node.resource_class, {})[(node.plan.seq, node.index)] = node
+        self._dirty.add(node.resource_class)
+        need, floor = node.profile, self._floor.get(node.resource_class, node.profile)
+        self._floor[node.resource_class] = Resources(
+            min(need.gpu_memory_mb, floor.gpu_memory_mb), min(need.gpus, floor.gpus), min(need.cpu, floor.cpu)
+        )
+
+    def _hold(self, node: _Node) -> None:
+        """Count the node's current attempt against its executor."""
+        if node.executor_id is None:
+            return
+        self._counted.setdefault(node.executor_id, {})[node.attempt_key] = (node.profile, None)
+        if node.attempt_key not in self._executors[node.executor_id].running:
+            self._unlisted[node.executor_id] = self._unlisted.get(node.executor_id, Resources()) + node.profile
+
+    def _let_go(self, node: _Node, timed_out: bool) -> None:
+        """The current attempt ended: stop counting it, or (timed out) count it until its executor drops it."""
+        executor_id, key = node.executor_id, node.attempt_key
+        if executor_id is None or key not in self._counted.get(executor_id, {}):
+            return
+        if timed_out:
+            self._counted[executor_id][key] = (node.profile, self.now)
+            return
+        profile, _ = self._counted[executor_id].pop(key)
+        executor = self._executors[executor_id]
+        if key not in executor.running:
+            self._unlisted[executor_id] = self._unlisted[executor_id] - profile
+        self._dirty.add(executor.resource_class)
 
     def _release(self, out: list[Decision]) -> None:
         """Release every ready subgoal that fits, in plan then subgoal order (a smaller one may pass a larger one)."""
-        for resource_class in sorted(self._ready):
-            ready = self._ready[resource_class]
+        dirty, self._dirty = self._dirty, set()
+        for resource_class in sorted(dirty):
+            ready = self._ready.get(resource_class)
             if not ready:
                 continue
             free = self.available(resource_class)
-            if not free:
+            floor = self._floor[resource_class]  # no ready subgoal of the class needs less than this
+            if not any(left.covers(floor) for left in free.values()):
                 continue
             for order in sorted(ready):
                 node = ready[order]
@@ -344,6 +375,8 @@ class PlanScheduler:
                 free[executor_id] = left
                 del ready[order]
                 self._release_one(node, executor_id, out)
+                if not any(room.covers(floor) for room in free.values()):
+                    break  # nothing left can fit anywhere: do not walk the rest
 
     def _release_one(self, node: _Node, executor_id: str, out: list[Decision]) -> None:
         node.attempt += 1
@@ -351,7 +384,7 @@ class PlanScheduler:
         node.executor_id = executor_id
         node.last_seen = self.now
         node.plan.released += 1
-        self._held[node.attempt_key] = node
+        self._hold(node)
         self._set_timer(node, "deadline", self.now + node.deadline_us)
         work = node.work
         out.append(self._decision(node, SUBGOAL_RELEASED, "released", {
@@ -363,7 +396,7 @@ class PlanScheduler:
         }))  # fmt: skip
 
     def _succeed(self, node: _Node, out: list[Decision]) -> None:
-        self._held.pop(node.attempt_key, None)
+        self._let_go(node, timed_out=False)
         node.state = NodeState.SUCCEEDED
         plan = node.plan
         for dependent_id in node.dependents:
@@ -373,9 +406,9 @@ class PlanScheduler:
                 self._make_ready(dependent)
         self._finish_if_done(plan, out)
 
-    def _fail(self, node: _Node, error_class: str, out: list[Decision]) -> None:
+    def _fail(self, node: _Node, error_class: str, out: list[Decision], timed_out: bool = False) -> None:
         """An attempt failed or timed out: retry after the backoff, else the fallback, else escalate."""
-        self._held.pop(node.attempt_key, None)
+        self._let_go(node, timed_out)
         node.error_class = error_class
         node.tries += 1
         retry = node.spec.get("retry") or {}
