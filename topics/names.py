@@ -24,3 +24,20 @@ CONTRACT_CHECK = "treadle.derived.ContractCheck"
 STEP_EVIDENCE = "treadle.derived.StepEvidence"
 
 INPUT_SCHEMAS = (DISPATCH, TOOL_RESULT, REWARD, STATE_DELTA, LIFECYCLE, LLM_CALL)
+
+# Plans as events (docs/plans.md): what submitters and executors write, and what the plans scheduler decides.
+PLAN_SUBMITTED = "treadle.events.PlanSubmitted"
+SUBGOAL_STATUS = "treadle.events.SubgoalStatus"
+EXECUTOR_HEARTBEAT = "treadle.events.ExecutorHeartbeat"
+SUBGOAL_RELEASED = "treadle.derived.SubgoalReleased"
+SUBGOAL_RETRIED = "treadle.derived.SubgoalRetried"
+SUBGOAL_REROUTED = "treadle.derived.SubgoalRerouted"
+SUBGOAL_TIMED_OUT = "treadle.derived.SubgoalTimedOut"
+SUBGOAL_ESCALATED = "treadle.derived.SubgoalEscalated"
+PLAN_FINISHED = "treadle.derived.PlanFinished"
+
+# Not yet on a catalog topic: the plans processor (not built) decides their routing (docs/plans.md).
+PLAN_SCHEMAS = (
+    PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT, SUBGOAL_RELEASED, SUBGOAL_RETRIED, SUBGOAL_REROUTED,
+    SUBGOAL_TIMED_OUT, SUBGOAL_ESCALATED, PLAN_FINISHED,
+)  # fmt: skip

@@ -1,0 +1,1 @@
+"""Plans as events: the scheduler's pure DAG fold (dag); the processor plugin around it is not built yet."""

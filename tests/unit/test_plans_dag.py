@@ -1,0 +1,551 @@
+"""The plans scheduler's DAG fold (processors.plans.dag): release rule, admission control, retries, timeouts, fallback,
+escalation and refusals, then hypothesis properties against a simulated set of executors (no broker)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from processors.plans.dag import MICROS, Decision, NodeState, PlanRefused, PlanScheduler, Resources, attempt_key
+from topics.codec import AvroCodec
+from topics.names import (
+    EXECUTOR_HEARTBEAT,
+    PLAN_FINISHED,
+    PLAN_SUBMITTED,
+    SUBGOAL_ESCALATED,
+    SUBGOAL_RELEASED,
+    SUBGOAL_REROUTED,
+    SUBGOAL_RETRIED,
+    SUBGOAL_STATUS,
+    SUBGOAL_TIMED_OUT,
+)
+
+CODEC = AvroCodec()
+T0 = 1_800_000_000 * MICROS
+SESSION = "s1"
+
+
+def at(seconds: float) -> int:
+    return T0 + round(seconds * MICROS)
+
+
+def envelope(event_time: int, logical: str, session: str = SESSION) -> dict[str, Any]:
+    return {
+        "event_id": f"0190b6c2-0000-7000-8000-{abs(hash((logical, event_time))) % 10**12:012d}",
+        "session_id": session, "agent_id": "planner", "episode_id": "e1", "logical_event_id": logical, "seq": 1,
+        "event_time": event_time, "policy_version": "", "trace_id": "", "attributes": {},
+    }  # fmt: skip
+
+
+def subgoal(sid: str, *deps: str, gpu_mb: int = 0, gpus: int = 0, cpu: int = 1, cls: str = "cpu",
+            deadline_s: float = 10.0, attempts: int = 1, backoff_s: float = 0.0, fallback: dict | None = None,
+            params: str = "{}") -> dict[str, Any]:  # fmt: skip
+    return {
+        "subgoal_id": sid, "tool": f"tool_{sid}", "agent": None, "params_json": params, "resource_class": cls,
+        "profile": {"gpu_memory_mb": gpu_mb, "gpus": gpus, "cpu": cpu}, "deadline_s": deadline_s,
+        "retry": {"max_attempts": attempts, "backoff_s": backoff_s, "backoff_multiplier": 2.0},
+        "fallback": fallback, "depends_on": list(deps),
+    }  # fmt: skip
+
+
+def fallback(tool: str = "backup", cls: str = "cpu", cpu: int = 1, gpu_mb: int = 0) -> dict[str, Any]:
+    return {"tool": tool, "agent": None, "params_json": "{}", "resource_class": cls,
+            "profile": {"gpu_memory_mb": gpu_mb, "gpus": 0, "cpu": cpu}}  # fmt: skip
+
+
+def plan(plan_id: str, subgoals: list[dict[str, Any]], t: float = 0.0, session: str = SESSION) -> dict[str, Any]:
+    return {"envelope": envelope(at(t), plan_id, session), "plan_id": plan_id, "goal": "", "subgoals": subgoals}
+
+
+def status(plan_id: str, sid: str, attempt: int, state: str, t: float, error_class: str | None = None,
+           session: str = SESSION) -> dict[str, Any]:  # fmt: skip
+    return {
+        "envelope": envelope(at(t), plan_id, session), "plan_id": plan_id, "subgoal_id": sid, "attempt": attempt,
+        "state": state, "executor_id": "x", "output_ref": "ref" if state == "SUCCEEDED" else None,
+        "error_class": error_class, "error": None,
+    }  # fmt: skip
+
+
+def heartbeat(executor: str, t: float, cls: str = "cpu", gpu_mb: int = 0, gpus: int = 0, cpu: int = 4,
+              running: tuple[str, ...] = (), valid_for_s: float = 1e6) -> dict[str, Any]:  # fmt: skip
+    return {
+        "executor_id": executor, "resource_class": cls, "free_gpu_memory_mb": gpu_mb, "free_gpus": gpus,
+        "free_cpu": cpu, "running": list(running), "valid_for_s": valid_for_s, "host": "h", "sent_at": at(t),
+    }  # fmt: skip
+
+
+def kinds(decisions: list[Decision]) -> list[tuple[str, str]]:
+    short = {SUBGOAL_RELEASED: "released", SUBGOAL_RETRIED: "retried", SUBGOAL_REROUTED: "rerouted",
+             SUBGOAL_TIMED_OUT: "timed_out", SUBGOAL_ESCALATED: "escalated", PLAN_FINISHED: "finished"}  # fmt: skip
+    return [(short[d.schema], d.record.get("subgoal_id", "")) for d in decisions]
+
+
+def encodable(decisions: list[Decision]) -> list[Decision]:
+    """Every decision is a valid record of its schema (round trip through the Avro codec)."""
+    for d in decisions:
+        assert (
+            CODEC.decode(CODEC.encode(d.schema, d.record), expect=d.schema)[1]["decision_id"] == d.record["decision_id"]
+        )
+    return decisions
+
+
+# -- the release rule -----------------------------------------------------------------------------------------------
+
+
+def test_subgoals_are_released_when_their_dependencies_succeed() -> None:
+    s = PlanScheduler()
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0, cpu=8)) == []
+    out = encodable(s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a"), subgoal("b", "a"), subgoal("c", "a", "b")])))
+    assert kinds(out) == [("released", "a")]
+    released = out[0].record
+    assert (released["attempt"], released["work_topic"], released["executor_id"]) == (1, "treadle.work.cpu", "cpu-1")
+    assert released["decision_id"] == "s1/p/a/1/released" and out[0].key == SESSION
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 1))) == [("released", "b")]
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 1)) == []  # a duplicate changes nothing
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "b", 1, "SUCCEEDED", 2))) == [("released", "c")]
+    out = encodable(s.apply(SUBGOAL_STATUS, status("p", "c", 1, "SUCCEEDED", 3)))
+    assert kinds(out) == [("finished", "")]
+    assert out[0].record["outcome"] == "SUCCEEDED" and out[0].record["succeeded"] == ["a", "b", "c"]
+    assert out[0].record["attempts"] == 3 and out[0].record["finished_at"] == at(3)
+
+
+def test_nothing_is_released_without_a_live_executor_of_its_class() -> None:
+    s = PlanScheduler()
+    assert s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=10)])) == []
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 1)) == []  # another class
+    assert kinds(s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 2, cls="gpu", gpu_mb=10, valid_for_s=5))) == [
+        ("released", "a")
+    ]
+    s2 = PlanScheduler()
+    s2.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=10, valid_for_s=5))
+    assert s2.tick(at(5)) == []  # the advertisement expired: the executor counts as gone
+    assert s2.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=10)], t=5)) == []
+
+
+def test_admission_never_oversubscribes_gpu_memory_and_counts_what_is_held() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=80_000, gpus=2, cpu=8))
+    big = [subgoal(n, cls="gpu", gpu_mb=50_000, gpus=1) for n in ("a", "b")] + [subgoal("c", cls="gpu", gpu_mb=30_000)]
+    out = s.apply(PLAN_SUBMITTED, plan("p", big))
+    assert kinds(out) == [("released", "a"), ("released", "c")]  # b would not fit beside a; c does (backfill)
+    assert s.available("gpu") == {"gpu-1": Resources(0, 1, 6)}
+    # the executor now lists a and c as running and advertises what is left: nothing is counted twice
+    running = (attempt_key(SESSION, "p", "a", 1), attempt_key(SESSION, "p", "c", 1))
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 1, "gpu", gpu_mb=0, gpus=1, cpu=6, running=running)) == []
+    assert s.available("gpu") == {"gpu-1": Resources(0, 1, 6)}
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 2)) == []  # a's memory is not advertised yet
+    assert kinds(s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 3, "gpu", gpu_mb=50_000, gpus=2, cpu=7,
+                                                       running=running[1:])))  == [("released", "b")]  # fmt: skip
+
+
+def test_a_late_older_advertisement_changes_nothing() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 5, cls="gpu", gpu_mb=10))
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 4, cls="gpu", gpu_mb=99))
+    assert s.available("gpu") == {"gpu-1": Resources(10, 0, 4)}
+
+
+def test_best_fit_picks_the_executor_left_with_least() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("big", 0, cls="gpu", gpu_mb=80_000, gpus=1))
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("small", 0, cls="gpu", gpu_mb=24_000, gpus=1))
+    out = s.apply(
+        PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=20_000), subgoal("b", cls="gpu", gpu_mb=60_000)])
+    )
+    assert [d.record["executor_id"] for d in out] == ["small", "big"]
+
+
+# -- retries, timeouts, fallback, escalation ----------------------------------------------------------------------
+
+
+def test_failures_retry_after_an_event_time_backoff_then_escalate_and_cancel_dependents() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", attempts=3, backoff_s=2), subgoal("b", "a"), subgoal("c", "b"),
+                                        subgoal("d", deadline_s=60)]))  # fmt: skip
+    out = encodable(s.apply(SUBGOAL_STATUS, status("p", "a", 1, "FAILED", 1, "OOM")))
+    assert kinds(out) == [("retried", "a")]
+    assert (out[0].record["next_attempt"], out[0].record["retry_at"], out[0].record["error_class"]) == (2, at(3), "OOM")
+    assert s.tick(at(2.9)) == []
+    assert kinds(s.tick(at(3))) == [("released", "a")]
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 2, "FAILED", 4, "OOM"))) == [("retried", "a")]
+    assert s.tick(at(7.9)) == []  # the second backoff is twice the first: 4 s
+    assert kinds(s.tick(at(8))) == [("released", "a")]
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 8)) == []  # a stale attempt's report: ignored
+    out = encodable(s.apply(SUBGOAL_STATUS, status("p", "a", 3, "FAILED", 9, "OOM")))
+    assert kinds(out) == [("escalated", "a")]
+    assert out[0].record["cancelled"] == ["b", "c"] and out[0].record["attempts"] == 3
+    out = encodable(s.apply(SUBGOAL_STATUS, status("p", "d", 1, "SUCCEEDED", 10)))
+    assert kinds(out) == [("finished", "")]
+    assert (out[0].record["outcome"], out[0].record["escalated"], out[0].record["cancelled"]) == (
+        "FAILED",
+        ["a"],
+        ["b", "c"],
+    )
+    assert s.subgoal_states(SESSION, "p") == {"a": NodeState.ESCALATED, "b": NodeState.CANCELLED,
+                                              "c": NodeState.CANCELLED, "d": NodeState.SUCCEEDED}  # fmt: skip
+
+
+def test_a_spent_subgoal_is_rerouted_to_its_fallback_on_the_fallbacks_class() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=40_000, gpus=1))
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=40_000, fallback=fallback("cpu_solver"))]))
+    out = encodable(s.apply(SUBGOAL_STATUS, status("p", "a", 1, "FAILED", 1, "CUDAError")))
+    assert kinds(out) == [("rerouted", "a"), ("released", "a")]
+    assert (out[0].record["tool"], out[0].record["next_attempt"]) == ("cpu_solver", 2)
+    released = out[1].record
+    assert (released["attempt"], released["tool"], released["resource_class"], released["fallback"]) == (
+        2, "cpu_solver", "cpu", True)  # fmt: skip
+    assert released["profile"] == {"gpu_memory_mb": 0, "gpus": 0, "cpu": 1}
+    out = s.apply(SUBGOAL_STATUS, status("p", "a", 2, "FAILED", 2, "ToolError"))
+    assert kinds(out) == [("escalated", "a"), ("finished", "")]
+
+
+def test_an_attempt_without_a_sign_of_life_past_its_deadline_is_timed_out_and_retried() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=10, attempts=2)]))
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "RUNNING", 5)) == []
+    assert s.tick(at(14.9)) == []  # the running report pushed the deadline to 15
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "HEARTBEAT", 14.9)) == []
+    out = encodable(s.tick(at(24.9)))
+    assert kinds(out) == [("timed_out", "a"), ("retried", "a"), ("released", "a")]
+    assert (out[0].record["last_seen_at"], out[0].record["attempt"]) == (at(14.9), 1)
+    assert out[1].record["error_class"] == "timeout" and out[2].record["attempt"] == 2
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 25)) == []  # the stalled attempt woke up: too late
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 2, "SUCCEEDED", 26))) == [("finished", "")]
+
+
+def test_inputs_are_on_event_time_not_arrival_order_for_timers() -> None:
+    """An input older than the clock does not move it back; timers fire when an input's event time passes them."""
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=10, attempts=1), subgoal("b", deadline_s=60)]))
+    out = s.apply(SUBGOAL_STATUS, status("p", "b", 1, "SUCCEEDED", 30))  # its event time passes a's deadline
+    assert kinds(out) == [("timed_out", "a"), ("escalated", "a"), ("finished", "")]
+    assert s.now == at(30) and s.tick(at(1)) == [] and s.now == at(30)
+
+
+# -- refusals -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("subgoals", "reason"),
+    [
+        ([subgoal("a", "b"), subgoal("b", "c"), subgoal("c", "a")], "dependency cycle: a -> b -> c -> a"),
+        ([subgoal("a", "a")], "dependency cycle: a -> a"),
+        ([subgoal("a"), subgoal("b", "zz")], "subgoal 'b' depends on unknown subgoal 'zz'"),
+        ([subgoal("a"), subgoal("a")], "subgoal id 'a' appears twice"),
+        ([], "the plan has no subgoals"),
+        ([subgoal("a", attempts=0)], "subgoal 'a': retry.max_attempts must be at least 1"),
+        ([subgoal("a", deadline_s=0)], "subgoal 'a': deadline_s must be a positive number, got 0.0"),
+        ([subgoal("a", gpu_mb=-1)], "subgoal 'a': profile has a negative amount"),
+        ([subgoal("a", params="[1]")], "subgoal 'a': params_json is not a JSON object"),
+        ([subgoal("a", fallback={**fallback(), "params_json": "{"})], "subgoal 'a': fallback params_json is not JSON"),
+    ],
+)
+def test_plans_that_cannot_run_are_refused_with_the_reason(subgoals: list[dict[str, Any]], reason: str) -> None:
+    s = PlanScheduler()
+    with pytest.raises(PlanRefused) as refused:
+        s.apply(PLAN_SUBMITTED, plan("p", subgoals))
+    assert refused.value.reason.startswith(reason) and refused.value.plan_id == "p"
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0)) == []  # nothing of it was kept
+
+
+def test_a_resubmitted_plan_is_a_redelivery_and_a_different_one_under_its_id_is_refused() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    assert kinds(s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a")]))) == [("released", "a")]
+    assert s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a")], t=1)) == []
+    with pytest.raises(PlanRefused, match="a different plan was already submitted"):
+        s.apply(PLAN_SUBMITTED, plan("p", [subgoal("b")]))
+    assert kinds(s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a")], session="s2"))) == [("released", "a")]
+
+
+def test_the_records_the_fold_takes_are_valid_avro() -> None:
+    CODEC.decode(CODEC.encode(PLAN_SUBMITTED, plan("p", [subgoal("a", fallback=fallback())])), expect=PLAN_SUBMITTED)
+    CODEC.decode(CODEC.encode(SUBGOAL_STATUS, status("p", "a", 1, "FAILED", 1, "OOM")), expect=SUBGOAL_STATUS)
+    CODEC.decode(CODEC.encode(EXECUTOR_HEARTBEAT, heartbeat("x", 0, running=("s/p/a/1",))), expect=EXECUTOR_HEARTBEAT)
+
+
+def test_a_timed_out_attempt_holds_its_capacity_until_its_executor_says_it_dropped_it() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=10_000))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=10_000, deadline_s=5, attempts=2)]))
+    assert kinds(s.tick(at(5))) == [("timed_out", "a"), ("retried", "a")]  # not released again: a may still run
+    stalled = attempt_key(SESSION, "p", "a", 1)
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 4, cls="gpu", gpu_mb=10_000)) == []  # sent before the timeout
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 6, cls="gpu", gpu_mb=0, running=(stalled,))) == []
+    out = s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 7, cls="gpu", gpu_mb=10_000))  # it let go of attempt 1
+    assert kinds(out) == [("released", "a")] and out[0].record["attempt"] == 2
+
+
+# -- properties: random DAGs, random executors and random status streams, against a small oracle ---------------------
+
+CLASSES = ("cpu", "gpu")
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def fitting_profile(draw: st.DrawFn, capacity: Resources) -> Resources:
+    return Resources(draw(st.integers(0, capacity.gpu_memory_mb)), draw(st.integers(0, capacity.gpus)),
+                     draw(st.integers(0, capacity.cpu)))  # fmt: skip
+
+
+def profile_record(p: Resources) -> dict[str, int]:
+    return p.record()
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[dict[str, tuple[str, Resources]], list[dict[str, Any]]]:
+    """Executors (id -> class, capacity) and plans whose every profile fits some executor of its class."""
+    executors: dict[str, tuple[str, Resources]] = {}
+    for cls in CLASSES:
+        for i in range(draw(st.integers(1, 2))):
+            gpu = cls == "gpu"
+            capacity = Resources(draw(st.sampled_from([0, 16, 40, 80])) * 1000 if gpu else 0,
+                                 draw(st.integers(0, 2)) if gpu else 0, draw(st.integers(1, 4)))  # fmt: skip
+            executors[f"{cls}-{i}"] = (cls, capacity)
+    by_class = {cls: [cap for c, cap in executors.values() if c == cls] for cls in CLASSES}
+    plans = []
+    for p in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(1, 7))
+        specs = []
+        for i in range(n):
+            cls = draw(st.sampled_from(CLASSES))
+            profile = draw(fitting_profile(draw(st.sampled_from(by_class[cls]))))
+            fb = None
+            if draw(st.booleans()):
+                fb_cls = draw(st.sampled_from(CLASSES))
+                fb_profile = draw(fitting_profile(draw(st.sampled_from(by_class[fb_cls]))))
+                fb = {"tool": "backup", "agent": None, "params_json": "{}", "resource_class": fb_cls,
+                      "profile": profile_record(fb_profile)}  # fmt: skip
+            deps = sorted(draw(st.sets(st.integers(0, i - 1), max_size=3))) if i else []
+            deadline_s = draw(st.sampled_from([2.0, 5.0, 30.0]))
+            spec = subgoal(f"n{i}", *(f"n{d}" for d in deps), cls=cls, deadline_s=deadline_s,
+                           attempts=draw(st.integers(1, 3)), backoff_s=draw(st.sampled_from([0.0, 0.5, 2.0])),
+                           fallback=fb)  # fmt: skip
+            spec["profile"] = profile_record(profile)
+            specs.append(spec)
+        plans.append({"plan_id": f"p{p}", "subgoals": draw(st.permutations(specs))})
+    return executors, plans
+
+
+class Simulation:
+    """Honest executors around a PlanScheduler, and the oracle that checks every decision as it comes."""
+
+    def __init__(self, executors: dict[str, tuple[str, Resources]], plans: list[dict[str, Any]]) -> None:
+        self.scheduler = PlanScheduler()
+        self.executors = executors
+        self.specs = {(p["plan_id"], s["subgoal_id"]): s for p in plans for s in p["subgoals"]}
+        self.clock = 0.0
+        self.log: list[tuple[str, Any]] = []
+        self.decisions: list[Decision] = []
+        self.released: set[tuple[str, str, int]] = set()
+        self.current: dict[tuple[str, str], int] = {}  # latest attempt released
+        self.live: set[tuple[str, str, int]] = set()  # attempts released and not ended, the oracle's view
+        self.queued: dict[tuple[str, str, int], tuple[str, Resources]] = {}  # released, not yet picked up
+        self.picked: dict[str, dict[tuple[str, str, int], Resources]] = {e: {} for e in executors}
+        self.succeeded: set[tuple[str, str]] = set()
+        self.escalated: set[tuple[str, str]] = set()
+        self.cancelled: set[tuple[str, str]] = set()
+        self.finished: dict[str, dict[str, Any]] = {}
+
+    def feed(self, schema: str | None, record: Any) -> list[Decision]:
+        self.log.append((schema, record))
+        out = self.scheduler.tick(record) if schema is None else self.scheduler.apply(schema, record)
+        for decision in encodable(out):
+            self.check(decision)
+        self.decisions += out
+        return out
+
+    def check(self, d: Decision) -> None:
+        r = d.record
+        node = (r["plan_id"], r.get("subgoal_id", ""))
+        if d.schema == SUBGOAL_RELEASED:
+            key = (*node, r["attempt"])
+            assert key not in self.released, "released twice for the same attempt"
+            assert r["attempt"] == self.current.get(node, 0) + 1
+            assert not any(k[:2] == node for k in self.live), "a second attempt while one is live"
+            for dep in self.specs[node]["depends_on"]:
+                assert (node[0], dep) in self.succeeded, f"{node} released before its dependency {dep} succeeded"
+            self.released.add(key)
+            self.current[node] = r["attempt"]
+            self.live.add(key)
+            self.queued[key] = (r["executor_id"], Resources.of(r["profile"]))
+            assert self.executors[r["executor_id"]][0] == r["resource_class"]
+            self.check_capacity()
+        elif d.schema == SUBGOAL_TIMED_OUT:
+            key = (*node, r["attempt"])
+            assert key in self.live
+            self.live.discard(key)
+            self.queued.pop(key, None)  # the SDK drops work past its deadline before starting it
+        elif d.schema == SUBGOAL_ESCALATED:
+            assert not any(k[:2] == node for k in self.live)
+            self.escalated.add(node)
+            self.cancelled |= {(node[0], c) for c in r["cancelled"]}
+        elif d.schema == PLAN_FINISHED:
+            assert r["plan_id"] not in self.finished, "a plan finished twice"
+            self.finished[r["plan_id"]] = r
+
+    def check_capacity(self) -> None:
+        """What each executor physically holds (picked up, or queued for it) never exceeds its capacity."""
+        for executor, (_, capacity) in self.executors.items():
+            held = sum(self.picked[executor].values(), Resources())
+            held = sum((p for e, p in self.queued.values() if e == executor), held)
+            assert capacity.covers(held), f"{executor} over capacity: {held} > {capacity}"
+
+    def heartbeat(self, executor: str, valid_for_s: float) -> None:
+        cls, capacity = self.executors[executor]
+        used = sum(self.picked[executor].values(), Resources())
+        free = capacity - used
+        running = tuple(attempt_key(SESSION, *k) for k in sorted(self.picked[executor]))
+        self.feed(EXECUTOR_HEARTBEAT, heartbeat(executor, self.clock, cls, free.gpu_memory_mb, free.gpus, free.cpu,
+                                                running, valid_for_s))  # fmt: skip
+
+    def pick_up(self, key: tuple[str, str, int], running: bool) -> None:
+        executor, profile = self.queued.pop(key)
+        self.picked[executor][key] = profile
+        if running:
+            self.report(key, "RUNNING")
+
+    def report(self, key: tuple[str, str, int], state: str, error_class: str | None = None) -> None:
+        if state in ("SUCCEEDED", "FAILED"):
+            for held in self.picked.values():
+                held.pop(key, None)
+            if key in self.live:
+                self.live.discard(key)
+                if state == "SUCCEEDED":
+                    self.succeeded.add(key[:2])
+        self.feed(SUBGOAL_STATUS, status(key[0], key[1], key[2], state, self.clock, error_class))
+
+    def advance(self, seconds: float) -> None:
+        self.clock += seconds
+        self.feed(None, at(self.clock))
+
+
+@PROPERTY
+@given(scenarios(), st.data())
+def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st.DataObject) -> None:
+    executors, plans = scenario
+    sim = Simulation(executors, plans)
+    for executor in sorted(executors):
+        sim.heartbeat(executor, 1e6)
+    for p in plans:
+        sim.feed(PLAN_SUBMITTED, plan(p["plan_id"], p["subgoals"], t=sim.clock))
+    # a random stretch: stalls, failures, late and repeated reports, expiring advertisements
+    for _ in range(data.draw(st.integers(0, 60), label="steps")):
+        action = data.draw(st.sampled_from(["tick", "heartbeat", "pick_up", "report", "repeat"]), label="action")
+        if action == "tick":
+            sim.advance(data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]), label="seconds"))
+        elif action == "heartbeat":
+            sim.heartbeat(data.draw(st.sampled_from(sorted(executors))), data.draw(st.sampled_from([2.0, 1e6])))
+        elif action == "pick_up" and sim.queued:
+            sim.pick_up(data.draw(st.sampled_from(sorted(sim.queued))), data.draw(st.booleans(), label="running"))
+        elif action == "report":
+            picked = sorted(k for held in sim.picked.values() for k in held)
+            if picked:
+                key = data.draw(st.sampled_from(picked), label="attempt")
+                state = data.draw(st.sampled_from(["HEARTBEAT", "SUCCEEDED", "FAILED"]), label="state")
+                sim.report(key, state, "ToolError" if state == "FAILED" else None)
+        elif action == "repeat" and sim.log:
+            schema, record = data.draw(st.sampled_from(sim.log), label="repeat")
+            assert sim.feed(schema, record) == [], "a repeated input decided something"
+    # then the executors answer: they let go of what they hold, heartbeat, and every attempt succeeds
+    for _ in range(400):
+        if len(sim.finished) == len(plans):
+            break
+        for executor in sorted(executors):
+            for key in sorted(sim.picked[executor]):
+                sim.report(key, "SUCCEEDED")
+            sim.heartbeat(executor, 1e6)
+        for key in sorted(sim.queued):
+            sim.pick_up(key, running=True)
+            sim.report(key, "SUCCEEDED")
+        sim.advance(1.0)
+    assert len(sim.finished) == len(plans), "a plan never finished once the executors answered"
+    for p in plans:
+        states = sim.scheduler.subgoal_states(SESSION, p["plan_id"])
+        assert set(states.values()) <= {NodeState.SUCCEEDED, NodeState.ESCALATED, NodeState.CANCELLED}
+        for sid, state in states.items():
+            node = (p["plan_id"], sid)
+            assert (state is NodeState.SUCCEEDED) == (node in sim.succeeded)
+            assert (state is NodeState.ESCALATED) == (node in sim.escalated)
+            assert (state is NodeState.CANCELLED) == (node in sim.cancelled)
+        finished = sim.finished[p["plan_id"]]
+        assert finished["outcome"] == (
+            "SUCCEEDED" if all(s is NodeState.SUCCEEDED for s in states.values()) else "FAILED"
+        )
+        for sid in finished["cancelled"]:  # only downstream of an escalated subgoal
+            assert ancestors(sim.specs, p["plan_id"], sid) & {n for pl, n in sim.escalated if pl == p["plan_id"]}
+    for kind in sorted({kind for kind, _ in kinds(sim.decisions)}):
+        event(kind)
+    # deterministic: the same log decides the same, and so does the log with every input twice
+    assert replay(sim.log, twice=False) == sim.decisions
+    assert replay(sim.log, twice=True) == sim.decisions
+
+
+def ancestors(specs: dict[tuple[str, str], dict[str, Any]], plan_id: str, sid: str) -> set[str]:
+    seen, stack = set(), list(specs[(plan_id, sid)]["depends_on"])
+    while stack:
+        dep = stack.pop()
+        if dep not in seen:
+            seen.add(dep)
+            stack.extend(specs[(plan_id, dep)]["depends_on"])
+    return seen
+
+
+def replay(log: list[tuple[str | None, Any]], twice: bool) -> list[Decision]:
+    scheduler, decisions = PlanScheduler(), []
+    for schema, record in log:
+        for _ in range(2 if twice else 1):
+            decisions += scheduler.tick(record) if schema is None else scheduler.apply(schema, record)
+    return decisions
+
+
+@st.composite
+def graphs(draw: st.DrawFn) -> dict[str, list[str]]:
+    n = draw(st.integers(1, 8))
+    return {f"n{i}": sorted({f"n{d}" for d in draw(st.sets(st.integers(0, n - 1), max_size=3))}) for i in range(n)}
+
+
+def has_cycle(graph: dict[str, list[str]]) -> bool:
+    """The oracle: a graph is acyclic iff repeatedly removing nodes with no remaining dependencies empties it."""
+    left = {k: set(v) for k, v in graph.items()}
+    while True:
+        free = [k for k, deps in left.items() if not deps & left.keys()]
+        if not free:
+            return bool(left)
+        for k in free:
+            del left[k]
+
+
+@PROPERTY
+@given(graphs())
+def test_a_plan_is_refused_exactly_when_its_dependencies_have_a_cycle(graph: dict[str, list[str]]) -> None:
+    subgoals = [subgoal(sid, *deps) for sid, deps in graph.items()]
+    s = PlanScheduler()
+    if has_cycle(graph):
+        with pytest.raises(PlanRefused, match="dependency cycle: ") as refused:
+            s.apply(PLAN_SUBMITTED, plan("p", subgoals))
+        cycle = refused.value.reason.removeprefix("dependency cycle: ").split(" -> ")
+        assert cycle[0] == cycle[-1] and all(b in graph[a] for a, b in pairwise(cycle))
+    else:
+        s.apply(PLAN_SUBMITTED, plan("p", subgoals))
+        assert set(s.subgoal_states(SESSION, "p")) == set(graph)
+
+
+@PROPERTY
+@given(graphs(), st.text(min_size=1, max_size=3))
+def test_a_plan_naming_an_unknown_dependency_is_refused(graph: dict[str, list[str]], unknown: str) -> None:
+    if unknown in graph:
+        return
+    subgoals = [subgoal(sid, *deps) for sid, deps in graph.items()]
+    subgoals[-1]["depends_on"].append(unknown)
+    with pytest.raises(PlanRefused, match="depends on unknown subgoal"):
+        PlanScheduler().apply(PLAN_SUBMITTED, plan("p", subgoals))
