@@ -119,6 +119,9 @@ class SinkChild:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.proc: subprocess.Popen[bytes] | None = None
+        # Set when the worker begins to stop: a SIGTERM to the process group reaches the child first, and it must
+        # not be started again while the worker winds down.
+        self.stopping = False
 
     def start(self) -> None:
         SqlEndpoint.path(self.settings).unlink(missing_ok=True)
@@ -143,6 +146,7 @@ class SinkChild:
         raise RuntimeError(f"the sink process did not serve SQL within {timeout:.0f} s")
 
     def stop(self, wait_s: float = 30.0) -> None:
+        self.stopping = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -156,6 +160,8 @@ class SinkChild:
         pause, started = SINK_CHECK_S, time.monotonic()
         while True:
             await asyncio.sleep(SINK_CHECK_S)
+            if self.stopping:
+                return
             if self.proc is None or self.proc.poll() is None:
                 continue
             if self.proc.returncode == SINK_REFUSED_EXIT:
@@ -168,6 +174,8 @@ class SinkChild:
                       "lines are above; rows wait in Kafka meanwhile)", self.proc.pid, self.proc.returncode, lived,
                       pause)  # fmt: skip
             await asyncio.sleep(pause)
+            if self.stopping:
+                return
             started = time.monotonic()
             self.start()
             try:
@@ -207,6 +215,8 @@ class TreadleWorker(faust.Worker):
     async def stop(self) -> None:
         """Faust's stop, bounded: a batch that never finishes (or a hook waiting on it) cannot keep the process up
         past STOP_DEADLINE_S. Ending it then is as safe as a crash: uncommitted input is processed again."""
+        if self.sink is not None:
+            self.sink.stopping = True
         if self._deadline is None:
             self._deadline = threading.Timer(STOP_DEADLINE_S, self._stop_now)
             self._deadline.daemon = True

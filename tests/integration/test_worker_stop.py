@@ -66,3 +66,26 @@ def test_the_worker_starts_its_sink_child_again_when_it_dies(deployment: Setting
     )
     assert worker.proc is not None and worker.proc.poll() is None
     assert "starting it again" in worker.log_tail(300)
+
+
+def test_a_sigterm_to_the_process_group_does_not_start_the_sink_child_again(
+    deployment: Settings, tmp_path: Path
+) -> None:
+    """A terminal's signal reaches the sink child and the worker together; while the worker winds down (here slowly:
+    a batch that never returns), its sink child must stay stopped."""
+    settings = deployment.model_copy(update={"processors": ("steps", "hangs")})
+    worker = WorkerProcess(settings, settings.home / "worker.log", env={"PYTHONPATH": str(plugin_path(tmp_path))})
+    worker.start().wait_ready()
+    try:
+        first = SqlEndpoint.read(settings)
+        assert first is not None and worker.proc is not None
+        asyncio.run(send_step(settings, f"s-hang-{uuid7()[:8]}", output=f"{MARK} forever"))
+        time.sleep(3)  # the batch reaches the plugin, which never returns: stopping waits for its deadline
+        os.killpg(worker.proc.pid, signal.SIGTERM)
+        worker.proc.wait(50)
+    finally:
+        worker.kill()
+    log = worker.log_tail(300)
+    assert "starting it again" not in log, log
+    endpoint = SqlEndpoint.read(settings)
+    assert endpoint is None or endpoint.pid == first.pid, "a new sink child was started while the worker stopped"
