@@ -20,6 +20,11 @@ non-retriable error that is not about the producer itself) can be sent again one
 RecordRefusedError that carries it. Retriable errors never get here: the producer retries those itself, with its
 backoff, until the batch expires (the worker's producer: 20 minutes).
 
+An idempotent producer numbers each partition's records (sequence numbers) when it takes a batch to send, and
+aiokafka does not take the numbers of a refused batch back: the broker still waits for the first of them, so every
+later batch to that partition would fail with OutOfOrderSequenceNumber. A refused batch's numbers are therefore
+given back (`_give_back_sequence`), as the Java producer does (adjustSequencesDueToFailedBatch).
+
 One batcher serves every stream of one producer, so events of many sessions share batches.
 """
 
@@ -36,6 +41,7 @@ from aiokafka.errors import BrokerResponseError, KafkaError, MessageSizeTooLarge
 from aiokafka.partitioner import murmur2
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
+from aiokafka.structs import TopicPartition
 
 __all__ = [
     "Batch", "DeliveryCallback", "PartitionBatcher", "RecordRefusedError", "default_partition", "key_hash",
@@ -244,6 +250,7 @@ class PartitionBatcher:
         delivery.add_done_callback(lambda future: self._finished(state, batch, _error(future)))
 
     def _finished(self, state: _Partition, batch: Batch, error: BaseException | None) -> None:
+        self._give_back_sequence(state, batch.builder, error)
         if error is not None and self.isolate_refused and refused_for_records(error) and self._closed is None:
             self.track(self._loop.create_task(self._one_at_a_time(state, batch, error)))
             return
@@ -260,17 +267,21 @@ class PartitionBatcher:
             records = [(r.key, r.value) for r in MemoryRecords(bytes(buffer)).next_batch()] if buffer else []
         except Exception:  # unreadable: the batch fails as a whole, as it would without isolation
             records = []
-        if len(records) != len(batch.entries):
+        if len(records) != len(batch.owners):
             self.failed = self.failed or error
             batch.finish(error)
             return
-        for (key, value), (owner, token) in zip(records, batch.entries, strict=True):
+        for (key, value), owner, token in zip(records, batch.owners, batch.tokens, strict=True):
             outcome: BaseException | None = error
             if len(records) > 1:  # a batch of one was refused already: no need to ask again
                 try:
                     single = self.producer.create_batch()
                     single.append(timestamp=None, key=key, value=value)
                     delivery = await self.producer.send_batch(single, state.topic, partition=state.partition)
+                    # in a callback, as _finished: it runs before the producer takes the partition's next batch
+                    delivery.add_done_callback(
+                        lambda future, single=single: self._give_back_sequence(state, single, _error(future))
+                    )
                     await delivery
                     outcome = None
                 except Exception as exc:
@@ -282,6 +293,30 @@ class PartitionBatcher:
             owner(token, outcome)
         if not batch.done.done():
             batch.done.set_result(None)
+
+    def _give_back_sequence(self, state: _Partition, builder: Any, error: BaseException | None) -> None:
+        """Take back the sequence numbers an idempotent producer gave a batch the broker refused, so the partition's
+        next batch carries the number the broker waits for. aiokafka advances a partition's number when it takes a
+        batch to send (MessageAccumulator._pop_batch) and never takes it back: without this, one refused batch
+        makes every later batch to its partition fail with OutOfOrderSequenceNumber (the worker's flush then raises,
+        and the worker stops). https://github.com/aio-libs/aiokafka/issues/1017 reports that stuck state.
+
+        Called from the delivery callback, before the producer's sender takes the partition's next batch (a
+        partition has one batch in flight, and the sender runs again only after this callback). The numbers are
+        given back only when no batch took numbers after the refused one."""
+        manager = getattr(self.producer, "_txn_manager", None)
+        if manager is None or not refused_for_records(error):
+            return  # not idempotent (no sequence numbers), or the batch was not refused
+        try:
+            sent = MemoryRecords(bytes(builder._buffer)).next_batch()
+        except Exception:  # the sent bytes are not readable: leave the numbers as the producer has them
+            return
+        if sent is None or sent.producer_id != manager.producer_id or sent.base_sequence < 0:
+            return
+        tp = TopicPartition(state.topic, state.partition)
+        current = manager.sequence_number(tp)
+        if (sent.base_sequence + sent.last_offset_delta + 1) % 2**32 == current % 2**32:
+            manager.increment_sequence_number(tp, sent.base_sequence - current)
 
     def abort(self, error: KafkaError) -> None:
         """Fail every batch not yet handed over and stop the hand-over tasks (the producer is being stopped)."""

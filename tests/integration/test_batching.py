@@ -196,3 +196,27 @@ async def test_the_batcher_remembers_a_batch_the_broker_refused(deployment: Sett
     )
     assert batcher.failed is not None, "a worker's flush must not look like success"
     assert len(outcomes) == 400 and all(error is not None for error in outcomes.values())
+
+
+async def test_a_partition_takes_batches_again_after_the_broker_refused_one(deployment: Settings) -> None:
+    # The idempotent producer numbered the refused batch's records; the broker, which already knows this producer on
+    # the partition, waits for the first of those numbers: a later batch must carry it, not OutOfOrderSequenceNumber.
+    producer = create_producer(deployment, max_batch_size=2_000_000, max_request_size=4_000_000)
+    await producer.start()
+    outcomes: dict[int, BaseException | None] = {}
+    topic = TopicCatalog(deployment)["actions"].name
+    try:
+        batcher = PartitionBatcher(producer)
+        for token, value in enumerate([b"probe", *[b"probe" * 800] * 400, b"probe", b"probe"]):
+            await batcher.append_when_room(topic, 0, b"worker", value, outcomes.__setitem__, token)
+            if token in (0, 400, 401):  # a batch of its own: known, refused, then after the refusal
+                await batcher.handed_over()
+                await producer.flush()
+        await batcher.handed_over()
+        await producer.flush()
+        await asyncio.sleep(0)
+    finally:
+        await producer.stop()
+    assert outcomes[0] is None
+    assert all(outcomes[token] is not None for token in range(1, 401)), "the 2 MB batch is above the broker's limit"
+    assert (outcomes[401], outcomes[402]) == (None, None)
