@@ -27,7 +27,9 @@ from typing import Any
 
 import cel
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from topics.model_errors import field_errors
 
 AUTO_NODE_TYPES = frozenset({"action", "tool_result"})  # the state graph's per-step nodes, left out of the views
 _MAX_SEEN_CHARS = 400  # how much of a tool output a check row keeps among the values it saw
@@ -139,12 +141,8 @@ def load_contract(text: str, source: str = "<contract>") -> Contract:
         raise ContractError(source, [f"holds a {type(doc).__name__}, not a mapping"])
     try:
         return Contract.model_validate(doc)
-    except ValueError as exc:
-        errors = getattr(exc, "errors", None)
-        reasons = (
-            [f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in errors()] if errors else [str(exc)]
-        )
-        raise ContractError(str(doc.get("name") or doc.get("tool") or source), reasons) from None
+    except ValidationError as exc:
+        raise ContractError(str(doc.get("name") or doc.get("tool") or source), field_errors(exc, "<root>")) from None
 
 
 # -- compiling --------------------------------------------------------------------------------------------------------

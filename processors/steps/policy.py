@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from processors.steps.fusion import FusionPolicy
+from topics.model_errors import field_errors
 
 DAY_S = 86_400.0
 
@@ -192,9 +193,7 @@ def parse_policy(text: str, origin: str) -> RewardPolicy:
     try:
         return RewardPolicy.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "policy"
-        raise PolicyError(f"{origin}: {where}: {first['msg']}") from exc
+        raise PolicyError(f"{origin}: {field_errors(exc, 'policy')[0]}") from exc
 
 
 def load_policy_file(path: Path) -> RewardPolicy:

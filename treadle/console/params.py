@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from topics.model_errors import field_errors
+
 
 def _printable(text: str) -> str:
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
@@ -41,9 +43,7 @@ class _Params(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "query"
-            raise BadRequestError(f"{where}: {first['msg']}") from None
+            raise BadRequestError(field_errors(exc, "query")[0]) from None
 
 
 class SessionFilter(_Params):
