@@ -17,6 +17,9 @@ from topics.names import (
     LATE_REWARD,
     LIFECYCLE,
     LLM_CALL,
+    PLAN_DECISION_SCHEMAS,
+    PLAN_EVENTS_KEY,
+    PLAN_INPUT_SCHEMAS,
     RESOURCE_SAMPLE,
     REWARD,
     STATE_DELTA,
@@ -37,7 +40,8 @@ class TopicRole(StrEnum):
 
 @dataclass(frozen=True)
 class TopicSpec:
-    """One topic: `name` is the full topic name, `kind` the short name code refers to."""
+    """One topic: `name` is the full topic name, `kind` the short name code refers to. Most topics carry one record
+    schema (`value_schema`); a log that must keep one order across record types also carries `also_carries`."""
 
     kind: str
     name: str
@@ -48,13 +52,19 @@ class TopicSpec:
     replication_factor: int
     config: dict[str, str] = field(default_factory=dict)
     doc: str = ""
+    also_carries: tuple[str, ...] = ()
+
+    @property
+    def schemas(self) -> tuple[str, ...]:
+        """Every record schema the topic carries (none for an internal JSON topic)."""
+        return ((self.value_schema,) if self.value_schema else ()) + self.also_carries
 
 
 _WEEK_MS = str(7 * 24 * 3600 * 1000)
 _DELETE = {"cleanup.policy": "delete", "retention.ms": _WEEK_MS}
 _KEEP = {"cleanup.policy": "delete", "retention.ms": "-1"}
 
-# kind, schema, role, config, doc
+# kind, schema, role, config, doc (the further schemas of a multi-schema topic are in _ALSO_CARRIES)
 _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
     ("actions", DISPATCH, TopicRole.INPUT, _DELETE, "Agents' tool calls; each opens a step."),
     ("tool_results", TOOL_RESULT, TopicRole.INPUT, _DELETE, "Outcomes of tool calls."),
@@ -108,6 +118,21 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         "Provenance: SHA-256 of each dispatch and tool result as received, with its envelope attributes.",
     ),
     (
+        "plan_events",
+        PLAN_INPUT_SCHEMAS[0],
+        TopicRole.INPUT,
+        _DELETE,
+        f"Plans submitted, subgoal statuses and executor heartbeats: the plans scheduler's one ordered log (key "
+        f"{PLAN_EVENTS_KEY!r}).",
+    ),
+    (
+        "plan_decisions",
+        PLAN_DECISION_SCHEMAS[0],
+        TopicRole.OUTPUT,
+        _DELETE,
+        "The plans scheduler's decisions: released, retried, rerouted, timed out, escalated, plan finished.",
+    ),
+    (
         "reward_policies",
         None,
         TopicRole.INTERNAL,
@@ -136,6 +161,8 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         "Schema registry: fingerprint -> {subject, version, schema}.",
     ),
 ]
+_ALSO_CARRIES = {"plan_events": PLAN_INPUT_SCHEMAS[1:], "plan_decisions": PLAN_DECISION_SCHEMAS[1:]}
+_KEYS = {"plan_events": f"{PLAN_EVENTS_KEY!r} (one partition, one order)"}
 
 
 class TopicCatalog:
@@ -151,11 +178,12 @@ class TopicCatalog:
                 else f"_{settings.topic_prefix}.{kind}",
                 role=role,
                 value_schema=schema,
-                key="session_id" if role is not TopicRole.INTERNAL else "schema fingerprint",
+                key=_KEYS.get(kind, "session_id" if role is not TopicRole.INTERNAL else "schema fingerprint"),
                 partitions=settings.partitions if role is not TopicRole.INTERNAL else 1,
                 replication_factor=settings.replication_factor,
                 config=dict(config),
                 doc=doc,
+                also_carries=_ALSO_CARRIES.get(kind, ()),
             )
             for kind, schema, role, config, doc in _TOPICS
         }
@@ -177,7 +205,14 @@ class TopicCatalog:
         return self.by_role(TopicRole.INPUT)
 
     def for_schema(self, schema_name: str) -> TopicSpec:
+        """The topic that carries `schema_name` (each schema is on one topic)."""
         for spec in self._specs.values():
-            if spec.value_schema == schema_name:
+            if schema_name in spec.schemas:
                 return spec
         raise KeyError(f"no topic carries {schema_name}")
+
+
+def topic_expectation(spec: TopicSpec) -> str | frozenset[str] | None:
+    """What AvroCodec.decode should expect of a record on `spec`'s topic: its schema, or the set a multi-schema topic
+    carries."""
+    return frozenset(spec.schemas) if spec.also_carries else spec.value_schema

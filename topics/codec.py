@@ -116,8 +116,9 @@ class AvroCodec:
             )
         return schema
 
-    def decode(self, data: bytes | None, expect: str | None = None) -> tuple[str, dict[str, Any]]:
-        """(schema name, record); with `expect`, resolved into the current version of that schema."""
+    def decode(self, data: bytes | None, expect: str | frozenset[str] | None = None) -> tuple[str, dict[str, Any]]:
+        """(schema name, record); with `expect`, resolved into the current version of that schema (of the writer's,
+        when `expect` is a set of schemas a multi-schema topic carries)."""
         if data is not None:  # the common case first: a writer read as itself, bytes its reader vouches for
             known = self._read_as_itself.get((data[2:10], expect))
             if known is not None and data[:2] == MAGIC:
@@ -129,11 +130,20 @@ class AvroCodec:
                     pass  # the full path below names the error, or asks fastavro
         return self._decode(data, expect)
 
-    def _decode(self, data: bytes | None, expect: str | None) -> tuple[str, dict[str, Any]]:
+    def _decode(self, data: bytes | None, expect: str | frozenset[str] | None) -> tuple[str, dict[str, Any]]:
         writer = self.writer_schema(data)
-        reader_name = expect or writer.name
-        if expect is not None and writer.name != expect:
-            raise DecodeError(DeadLetterStage.SCHEMA, f"expected a {expect} record, got {writer.name} (wrong topic?)")
+        if isinstance(expect, frozenset):
+            if writer.name not in expect:
+                raise DecodeError(
+                    DeadLetterStage.SCHEMA, f"expected one of {sorted(expect)}, got {writer.name} (wrong topic?)"
+                )
+            reader_name = writer.name
+        else:
+            reader_name = expect or writer.name
+            if expect is not None and writer.name != expect:
+                raise DecodeError(
+                    DeadLetterStage.SCHEMA, f"expected a {expect} record, got {writer.name} (wrong topic?)"
+                )
         reader = self.schemas[reader_name] if reader_name in self.schemas else writer
         assert data is not None  # writer_schema raised otherwise
         if reader.fingerprint == writer.fingerprint:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from topics.catalog import TopicCatalog
+from topics.catalog import TopicCatalog, topic_expectation
 from topics.codec import AvroCodec, DeadLetterStage, DecodeError
 from topics.dead_letters import dead_letter
 from topics.settings import Settings
@@ -82,7 +82,7 @@ class Intake:
         self.validator = validator
         # SchemaRegistry.load_if_due of the registry the codec looks writers up in; None: no registry
         self.reload_schemas = reload_schemas
-        self._expected = {spec.name: spec.value_schema for spec in catalog.inputs}
+        self._expected = {spec.name: topic_expectation(spec) for spec in catalog.inputs}
 
     async def read_after_reload(self, message: SourceMessage) -> Accepted | Rejected:
         """`read`, after reloading the registry (unless it was loaded under a second ago): for a message rejected

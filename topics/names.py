@@ -36,8 +36,11 @@ SUBGOAL_TIMED_OUT = "treadle.derived.SubgoalTimedOut"
 SUBGOAL_ESCALATED = "treadle.derived.SubgoalEscalated"
 PLAN_FINISHED = "treadle.derived.PlanFinished"
 
-# Not yet on a catalog topic: the plans processor (not built) decides their routing (docs/plans.md).
-PLAN_SCHEMAS = (
-    PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT, SUBGOAL_RELEASED, SUBGOAL_RETRIED, SUBGOAL_REROUTED,
-    SUBGOAL_TIMED_OUT, SUBGOAL_ESCALATED, PLAN_FINISHED,
+# The plans scheduler's input is one ordered log (the plan_events topic, all three schemas, one key): capacity is
+# shared by every plan, and its decisions must be a function of the log, so the log must have one order.
+PLAN_INPUT_SCHEMAS = (PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT)
+PLAN_DECISION_SCHEMAS = (
+    SUBGOAL_RELEASED, SUBGOAL_RETRIED, SUBGOAL_REROUTED, SUBGOAL_TIMED_OUT, SUBGOAL_ESCALATED, PLAN_FINISHED,
 )  # fmt: skip
+PLAN_SCHEMAS = PLAN_INPUT_SCHEMAS + PLAN_DECISION_SCHEMAS
+PLAN_EVENTS_KEY = "plans"  # the message key of every plan_events record: one partition, one order

@@ -61,7 +61,7 @@ def encode_problem(codec: AvroCodec, schema_name: str, record: Any, exc: Excepti
 def publishable_topics(catalog: TopicCatalog) -> dict[str, str]:
     """Schema -> topic of what a processor may publish: every output topic's record, and RewardSignal, which the worker
     reads back as input (reward sources and credit assignment are processors whose output is input)."""
-    outputs = {spec.value_schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) if spec.value_schema}
+    outputs = {schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) for schema in spec.schemas}
     outputs[REWARD] = catalog.for_schema(REWARD).name
     return outputs
 

@@ -17,7 +17,16 @@ from topics.event_checks import (
     reward_problem,
 )
 from topics.json_budget import json_depth_problem
-from topics.names import DISPATCH, LLM_CALL, REWARD, STATE_DELTA, TOOL_RESULT
+from topics.names import (
+    DISPATCH,
+    EXECUTOR_HEARTBEAT,
+    LLM_CALL,
+    PLAN_EVENTS_KEY,
+    PLAN_INPUT_SCHEMAS,
+    REWARD,
+    STATE_DELTA,
+    TOOL_RESULT,
+)
 from topics.tool_schemas import ToolSchemas
 
 _REQUIRED_ENVELOPE = ("event_id", "session_id", "logical_event_id")
@@ -32,6 +41,8 @@ class InputValidator:
     ) -> str | None:
         """Why the record is invalid, or None. `encoded_bytes`: its encoded size, if known (a record that small cannot
         hold an overlong id, so those checks are skipped)."""
+        if schema_name in PLAN_INPUT_SCHEMAS:
+            return _plan_event_problem(schema_name, record, key)
         env = record.get("envelope")
         if not isinstance(env, dict):
             return "record has no envelope"
@@ -66,6 +77,24 @@ class InputValidator:
         if schema_name == LLM_CALL:
             return llm_call_problem(record)
         return None
+
+
+def _plan_event_problem(schema_name: str, record: dict[str, Any], key: bytes | None) -> str | None:
+    """Plan events share one key, not the session's: the scheduler reads them as one ordered log."""
+    if key is None or key.decode("utf-8", "replace") != PLAN_EVENTS_KEY:
+        return (
+            f"message key {key[:64] if key else None!r} is not {PLAN_EVENTS_KEY!r}; plan events are keyed "
+            f"{PLAN_EVENTS_KEY!r} so the scheduler reads them in one order"
+        )
+    if schema_name == EXECUTOR_HEARTBEAT:
+        if not record["executor_id"] or not record["resource_class"]:
+            return "executor_id and resource_class must not be empty"
+        return event_time_problem(record["sent_at"])
+    env = record["envelope"]
+    for name in _REQUIRED_ENVELOPE:
+        if not env.get(name):
+            return f"envelope.{name} is empty"
+    return event_time_problem(env["event_time"])
 
 
 def _state_delta_problem(record: dict[str, Any]) -> str | None:

@@ -15,7 +15,6 @@ from fastavro.schema import to_parsing_canonical_form
 
 from topics.catalog import TopicCatalog
 from topics.codec import MAGIC
-from topics.names import PLAN_SCHEMAS
 from topics.schemas import AvroSchema, SchemaSet
 from topics.settings import Settings
 
@@ -37,8 +36,6 @@ def _topic(catalog: TopicCatalog, name: str) -> str:
     try:
         return f"`{catalog.for_schema(name).name}`"
     except KeyError:
-        if name in PLAN_SCHEMAS:
-            return "not routed yet (plans.md)"
         return "none: nested in other records"
 
 

@@ -201,4 +201,4 @@ def _catalog_input_schemas() -> frozenset[str]:
     from topics.catalog import TopicCatalog
     from topics.settings import Settings
 
-    return frozenset(s.value_schema for s in TopicCatalog(Settings()).inputs if s.value_schema)
+    return frozenset(schema for s in TopicCatalog(Settings()).inputs for schema in s.schemas)
