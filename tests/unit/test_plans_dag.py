@@ -542,6 +542,7 @@ class Simulation:
                     self.succeeded.add(node)
             elif state == "SUCCEEDED" and key in self.timed_out and node not in self.succeeded | self.escalated:
                 self.succeeded.add(node)  # a late success of a timed-out attempt: the work is done
+                event("late success")
                 self.live -= {k for k in self.live if k[:2] == node}  # an attempt still out is superseded
         self.feed(SUBGOAL_STATUS, status(key[0], key[1], key[2], state, self.clock, error_class))
 
@@ -611,6 +612,12 @@ def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st
     # deterministic: the same log decides the same, and so does the log with every input twice
     assert replay(sim.log, twice=False) == sim.decisions
     assert replay(sim.log, twice=True) == sim.decisions
+    # bounded memory: finished plans leave only their redelivery check, and that goes after the retention, as do
+    # executors whose advertisement expired long ago (with their holds), stale ready entries and timers
+    footprint = sim.scheduler.footprint()
+    assert (footprint["plans"], footprint["finished_remembered"], footprint["ready"]) == (0, len(plans), 0)
+    sim.advance(1e6 + 3600 + 600)  # past every advertisement, the retention and executor_forget_s
+    assert set(sim.scheduler.footprint().values()) == {0}, sim.scheduler.footprint()
 
 
 def ancestors(specs: dict[tuple[str, str], dict[str, Any]], plan_id: str, sid: str) -> set[str]:
@@ -672,3 +679,53 @@ def test_a_plan_naming_an_unknown_dependency_is_refused(graph: dict[str, list[st
     subgoals[-1]["depends_on"].append(unknown)
     with pytest.raises(PlanRefused, match="depends on unknown subgoal"):
         PlanScheduler().apply(PLAN_SUBMITTED, plan("p", subgoals))
+
+
+@PROPERTY
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.sampled_from([3.0, 5.0, 10.0]),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    st.lists(st.integers(1, 3), min_size=1, max_size=8),
+)
+def test_with_aging_no_stream_of_small_subgoals_starves_a_large_one(
+    capacities: list[int], aging_s: float, arrivals: list[int], runs: list[int]
+) -> None:
+    """Executors busy with a stream of 1-CPU subgoals (arrivals per second and run lengths cycled from the lists):
+    a subgoal needing the largest executor whole is released at most a run and a heartbeat after it waited aging_s."""
+    s = PlanScheduler(aging_s=aging_s)
+    executors = {f"cpu-{i}": cap for i, cap in enumerate(capacities)}
+    running: dict[str, tuple[str, int, int]] = {}  # plan -> (executor, cpu, until)
+    released: dict[str, int] = {}
+    for eid, cap in executors.items():
+        s.apply(EXECUTOR_HEARTBEAT, heartbeat(eid, 0, cpu=cap))
+    count = 0
+
+    def note(decisions: list[Decision], t: int) -> None:
+        nonlocal count
+        for d in decisions:
+            if d.schema != SUBGOAL_RELEASED:
+                assert d.schema == PLAN_FINISHED
+                continue
+            r = d.record
+            released[r["plan_id"]] = t
+            running[r["plan_id"]] = (r["executor_id"], r["profile"]["cpu"], t + runs[count % len(runs)])
+            count += 1
+
+    for k in range(max(capacities)):  # the executors are busy when the large one is submitted
+        note(s.apply(PLAN_SUBMITTED, plan(f"early{k}", [subgoal("a", deadline_s=1e4)])), 0)
+    note(s.apply(PLAN_SUBMITTED, plan("big", [subgoal("a", cpu=max(capacities), deadline_s=1e4)])), 0)
+    horizon = int(aging_s) + max(runs) + 2
+    for t in range(1, horizon + 1):
+        for k in range(arrivals[t % len(arrivals)]):
+            note(s.apply(PLAN_SUBMITTED, plan(f"small{t}.{k}", [subgoal("a", deadline_s=1e4)], t=t)), t)
+        for key in sorted(k for k, (_, _, until) in running.items() if until <= t):
+            del running[key]
+            note(s.apply(SUBGOAL_STATUS, status(key, "a", 1, "SUCCEEDED", t)), t)
+        for eid, cap in executors.items():
+            mine = sorted(k for k, (e, _, _) in running.items() if e == eid)
+            used = sum(running[k][1] for k in mine)
+            assert used <= cap
+            busy = tuple(attempt_key(SESSION, k, "a", 1) for k in mine)
+            note(s.apply(EXECUTOR_HEARTBEAT, heartbeat(eid, t, cpu=cap - used, running=busy)), t)
+    assert "big" in released, f"starved past {horizon} s"
