@@ -115,6 +115,15 @@ class _Node:
     ready_at: int = 0  # event time it last became ready (the aging rule)
     ready_gen: int = 0  # which readiness the ready queues' entries belong to (older entries are stale)
     timed_out: list[int] = field(default_factory=list)  # attempts the scheduler timed out (a late success counts)
+    profile: Resources = field(init=False)  # what the current phase needs
+
+    def __post_init__(self) -> None:
+        self.profile = Resources.of(self.spec["profile"])
+
+    def reroute(self) -> None:
+        """The subgoal's tries are spent: its fallback runs from now on."""
+        self.on_fallback, self.tries = True, 0
+        self.profile = Resources.of(self.spec["fallback"]["profile"])
 
     @property
     def id(self) -> str:
@@ -128,10 +137,6 @@ class _Node:
     @property
     def resource_class(self) -> str:
         return self.work.get("resource_class", "cpu")
-
-    @property
-    def profile(self) -> Resources:
-        return Resources.of(self.work["profile"])
 
     @property
     def deadline_us(self) -> int:
@@ -176,22 +181,38 @@ class _Executor:
 
 @dataclass
 class _ReadyQueue:
-    """One resource class's ready subgoals: by (plan seq, index), plus two heaps of entries, stale ones dropped when
-    they surface: in release order (plan seq, index, gen) and in waiting order (ready_at, gen, plan seq, index)."""
+    """One resource class's ready subgoals: by (plan seq, index), in heaps of entries per distinct profile (release
+    order: plan seq, index, gen) and in one heap in waiting order (ready_at, gen, plan seq, index). An entry whose
+    node was released, or became ready again since (a newer entry stands for it), is stale and dropped when it
+    surfaces."""
 
     nodes: dict[tuple[int, int], _Node] = field(default_factory=dict)
-    by_order: list[tuple[int, int, int]] = field(default_factory=list)
+    by_profile: dict[Resources, list[tuple[int, int, int]]] = field(default_factory=dict)
     by_age: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def add(self, node: _Node) -> None:
         key = (node.plan.seq, node.index)
         self.nodes[key] = node
-        heapq.heappush(self.by_order, (*key, node.ready_gen))
+        heapq.heappush(self.by_profile.setdefault(node.profile, []), (*key, node.ready_gen))
         heapq.heappush(self.by_age, (node.ready_at, node.ready_gen, *key))
 
     def current(self, seq: int, index: int, gen: int) -> _Node | None:
         node = self.nodes.get((seq, index))
         return node if node is not None and node.ready_gen == gen else None
+
+    def head(self, profile: Resources) -> tuple[int, int, int] | None:
+        """The first live entry of a profile's heap (stale ones dropped; an emptied heap removed)."""
+        heap = self.by_profile[profile]
+        while heap and self.current(*heap[0]) is None:
+            heapq.heappop(heap)
+        if not heap:
+            del self.by_profile[profile]
+            return None
+        return heap[0]
+
+    def clear(self) -> None:
+        self.by_profile.clear()
+        self.by_age.clear()
 
 
 def attempt_key(session_id: str, plan_id: str, subgoal_id: str, attempt: int) -> str:
@@ -404,7 +425,7 @@ class PlanScheduler:
             "executors": len(self._executors),
             "holds": sum(len(c) for c in self._counted.values()),
             "ready": sum(len(q.nodes) for q in self._ready.values()),
-            "ready_entries": sum(len(q.by_order) + len(q.by_age) for q in self._ready.values()),
+            "ready_entries": sum(sum(map(len, q.by_profile.values())) + len(q.by_age) for q in self._ready.values()),
             "timers": len(self._timers),
         }
 
@@ -538,51 +559,60 @@ class PlanScheduler:
                 if any(left.covers(floor) for left in free.values()):
                     aged_since = self.now - self._aging_us  # ready at or before this: waited aging_s or more
                     if queue.by_age and queue.by_age[0][0] <= aged_since:
-                        self._walk(queue, free, floor, aged_since, aged=True, out=out)
+                        self._release_aged(queue, free, floor, aged_since, out)
                     if free:
-                        self._walk(queue, free, floor, aged_since, aged=False, out=out)
+                        self._release_in_order(queue, free, out)
             if not queue.nodes:
-                queue.by_order.clear()
-                queue.by_age.clear()
+                queue.clear()
 
-    def _walk(
-        self, queue: _ReadyQueue, free: dict[str, Resources], floor: Resources, aged_since: int, aged: bool,
-        out: list[Decision],
-    ) -> None:  # fmt: skip
-        """One pass over a class's ready subgoals in one order, releasing what fits (best fit, ties by executor id).
+    def _release_in_order(self, queue: _ReadyQueue, free: dict[str, Resources], out: list[Decision]) -> None:
+        """Release, in plan then subgoal order, each ready subgoal whose profile fits some room (best fit, ties by
+        executor id). Rooms only shrink during a pass, so this is the walk in that order skipping what does not
+        fit; it looks only at the first entry of each distinct profile that still fits somewhere."""
+        fitting = [p for p in queue.by_profile if any(room.covers(p) for room in free.values())]
+        while fitting:
+            first = None
+            for profile in fitting:
+                head = queue.head(profile)
+                if head is not None and (first is None or head < first[0]):
+                    first = (head, profile)
+            if first is None:
+                return
+            (seq, index, _), need = first
+            heapq.heappop(queue.by_profile[need])
+            node = queue.nodes.pop((seq, index))
+            left, executor_id = min((left - need, eid) for eid, left in free.items() if left.covers(need))
+            free[executor_id] = left  # best fit: the least capacity left over, then the executor id
+            self._release_one(node, executor_id, out)
+            fitting = [p for p in fitting if p in queue.by_profile and any(r.covers(p) for r in free.values())]
 
-        In the aged pass one that does not fit reserves the executor nearest to holding it: later subgoals are not
-        counted against that executor in this pass, so its room grows until the aged one fits."""
-        heap = queue.by_age if aged else queue.by_order
-        skipped = []
-        while heap:
-            entry = heap[0]
-            if aged and entry[0] > aged_since:
-                break
-            heapq.heappop(heap)
-            node = queue.current(*entry[2:], entry[1]) if aged else queue.current(*entry)
+    def _release_aged(
+        self, queue: _ReadyQueue, free: dict[str, Resources], floor: Resources, aged_since: int, out: list[Decision]
+    ) -> None:
+        """Release the subgoals that waited `aging_s` or more, oldest first. One that does not fit reserves the
+        executor nearest to holding it: later subgoals are not counted against that executor in this pass, so its
+        room grows until the aged one fits."""
+        heap, skipped = queue.by_age, []
+        while heap and heap[0][0] <= aged_since:
+            entry = heapq.heappop(heap)
+            node = queue.current(entry[2], entry[3], entry[1])
             if node is None:
-                continue  # released, or ready again since (a newer entry stands for it)
-            skipped.append(entry)
-            if not aged and node.ready_at <= aged_since:
-                continue  # the aged pass kept it waiting: it did not fit
+                continue  # released, or ready again since
             need = node.profile
             fits = [(left - need, eid) for eid, left in free.items() if left.covers(need)]
             if fits:
-                left, executor_id = min(fits)  # best fit: the least capacity left over, then the executor id
+                left, executor_id = min(fits)
                 free[executor_id] = left
-                skipped.pop()
                 del queue.nodes[(node.plan.seq, node.index)]
                 self._release_one(node, executor_id, out)
-            elif aged:
+            else:
+                skipped.append(entry)
                 reserved = self._nearest(need, free)
                 if reserved is None:
                     continue  # no live executor could ever hold it: let the others pass
                 del free[reserved]
-            else:
-                continue
             if not any(room.covers(floor) for room in free.values()):
-                break  # nothing left can fit anywhere: do not walk the rest
+                break  # nothing left can fit anywhere
         for entry in skipped:
             heapq.heappush(heap, entry)
 
@@ -657,7 +687,7 @@ class PlanScheduler:
             else:
                 self._set_timer(node, "retry", retry_at)
         elif node.spec.get("fallback") is not None and not node.on_fallback:
-            node.on_fallback, node.tries = True, 0
+            node.reroute()
             fallback = node.spec["fallback"]
             out.append(self._decision(node, SUBGOAL_REROUTED, "rerouted", {
                 "failed_attempt": node.attempt, "next_attempt": node.attempt + 1, "error_class": error_class,
