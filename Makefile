@@ -64,6 +64,7 @@ bench-smoke: install
 	$(BIN)/python -m bench.run --quick --strict
 	$(BIN)/python -m bench.weaving_bench --quick --only throughput --only latency --duration 10
 	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
+	$(BIN)/python -m bench.plans_bench --plans 60 --repeats 1 --codec
 
 # Issue #25: kills of the worker, the sink, a broker (3-broker cluster) and Valkey under load; every table checked.
 chaos: install
