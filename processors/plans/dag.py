@@ -7,8 +7,11 @@ deadlines) fire when it passes them. A repeated input changes nothing, so a repl
 Admission control: an attempt is counted against one live executor of its resource class whose advertised free
 capacity, less what the attempts counted against it that its last heartbeat does not list in `running` hold, covers
 its profile in GPU memory, GPUs and CPU slots at once. A timed-out attempt (its executor may still be running it)
-holds on until that executor says, in a heartbeat sent after the timeout, that it does not run it. docs/plans.md has
-the rules; `PlanScheduler` is the fold.
+holds on until that executor says, in a heartbeat sent after the timeout, that it does not run it. A ready subgoal
+that waited `aging_s` goes first and, when it does not fit, keeps one executor for itself, so backfill cannot starve
+a large profile. Memory follows the work in flight: finished plans leave only a digest for redelivery checks (for a
+retention), executors gone for good are forgotten with their holds. docs/plans.md has the rules; `PlanScheduler` is
+the fold.
 """
 
 from __future__ import annotations
