@@ -351,6 +351,17 @@ def test_an_executor_gone_for_good_is_forgotten_with_its_zombie_holds() -> None:
     assert kinds(out) == [("released", "a")] and out[0].record["attempt"] == 2
 
 
+def test_timers_pushed_back_by_heartbeats_do_not_pile_up() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=10)]))
+    for k in range(1, 6000):  # each sign of life pushes the deadline back: a timer each
+        assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "HEARTBEAT", k / 100)) == []
+    assert s.footprint()["timers"] < 4100  # the stale ones were dropped
+    assert s.tick(at(59.99 + 9.99)) == []
+    assert kinds(s.tick(at(59.99 + 10))) == [("timed_out", "a"), ("escalated", "a"), ("finished", "")]
+
+
 def small_stream(s: PlanScheduler, steps: int, run_steps: int = 2) -> dict[str, int]:
     """Plan "first" running, then one 1-CPU subgoal submitted per second, each running `run_steps` seconds on cpu-1
     (2 CPUs): cpu-1 never has both CPUs free unless the scheduler keeps one. When each plan was released."""
