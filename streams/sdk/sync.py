@@ -175,6 +175,7 @@ class AgentStreamSync(_SyncFacade):
     llm_call = blocking(AgentStream.llm_call)
     llm_call_from_openai = blocking(AgentStream.llm_call_from_openai)
     outcome = blocking(AgentStream.outcome)
+    submit_plan = blocking(AgentStream.submit_plan)
 
     def outcomes(self) -> Iterator[Outcome]:
         """See AgentStream.outcomes; a blocking generator (close it, or leave the loop, to stop reading)."""
