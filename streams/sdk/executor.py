@@ -40,13 +40,14 @@ from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from streams.sdk.emitter import _Emitter
 from streams.sdk.plans import RESOURCE_CLASS_PATTERN, SubgoalWork
 from streams.sdk.producer import create_producer
 from streams.sdk.stream import AgentStream
 from streams.sdk.sync import AgentStreamSync
-from streams.sdk.types import DEFAULT_DELIVERY_TIMEOUT_S, StreamError, _text
+from streams.sdk.types import DEFAULT_DELIVERY_TIMEOUT_S, ProducerError, StreamError, _text
 from topics.admin import ensure_topics
 from topics.catalog import work_topic_spec
 from topics.codec import AvroCodec
@@ -337,12 +338,18 @@ class Executor:
         return self
 
     async def run(self) -> None:
-        """Start, run until `stop()` is called or the task is cancelled, then stop gracefully."""
+        """Start, run until `stop()` is called or the task is cancelled, then stop gracefully. Raises what stopped
+        the executor's own loops (taking work, advertising capacity), if anything did."""
         await self.start()
+        stopped = asyncio.get_running_loop().create_task(self._stopped.wait())
         try:
-            await self._stopped.wait()
+            await asyncio.wait([stopped, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            stopped.cancel()
+            failed = [t for t in self._tasks if t.done() and not t.cancelled() and t.exception() is not None]
             await self.stop()
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
 
     async def stop(self, *, abandon: bool = False) -> None:
         """Stop taking work; let running attempts finish (up to `stop_timeout_s`; at once with `abandon=True`), report
@@ -409,7 +416,10 @@ class Executor:
                 for message in messages:
                     await self._take(message.value)
             if batches:
-                await self._consumer.commit()
+                try:
+                    await self._consumer.commit()
+                except KafkaError as exc:  # the offsets only spare a restarted executor of this id a re-read
+                    log.warning("executor %s could not commit its work offsets (%r); going on", self.executor_id, exc)
             await self._start_ready()
 
     async def _take(self, value: bytes | None) -> None:
@@ -449,7 +459,7 @@ class Executor:
             if not self._room_for(work):
                 return
             self._queue.popleft()
-            self._running[work.attempt_key] = asyncio.get_running_loop().create_task(self._run_attempt(work))
+            self._running[work.attempt_key] = asyncio.get_running_loop().create_task(self._attempt(work))
 
     def _room_for(self, work: SubgoalWork) -> bool:
         running = [self._held[key] for key in self._running]
@@ -459,6 +469,12 @@ class Executor:
         return (budget - sum((_Amounts.of(w) for w in running), _Amounts())).covers(_Amounts.of(work))
 
     # -- running one attempt -------------------------------------------------------------------------------------
+
+    async def _attempt(self, work: SubgoalWork) -> None:
+        try:
+            await self._run_attempt(work)
+        except Exception as exc:  # a report that could not be sent: the scheduler times the attempt out
+            log.error("executor %s could not report attempt %s: %r", self.executor_id, work.attempt_key, exc)
 
     async def _run_attempt(self, work: SubgoalWork) -> None:
         assert self._reports is not None
@@ -561,8 +577,11 @@ class Executor:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
-            await self._heartbeat()
-            await self._start_ready()  # a queued attempt may have expired meanwhile
+            try:
+                await self._heartbeat()
+                await self._start_ready()  # a queued attempt may have expired meanwhile
+            except (KafkaError, ProducerError) as exc:  # brokers away: the advertisement lapses, the next one renews it
+                log.warning("executor %s could not advertise its capacity (%r); trying again", self.executor_id, exc)
 
     async def _heartbeat(self, *, final: bool = False) -> None:
         """Advertise free capacity (none when `final`) and the attempts held; `sent_at` strictly increases."""

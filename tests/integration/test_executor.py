@@ -427,9 +427,10 @@ async def test_stop_finishes_or_abandons_running_work_and_advertises_no_capacity
         )
 
     g1, g2 = executor("ex-g1"), executor("ex-g2")
-    await g1.start()
+    running = asyncio.create_task(g1.run())  # run(): until stop()
     await g2.start()
     async with plan_events(settings) as events, work_writer(settings) as write:
+        await events.wait_for(lambda evs: events.heartbeats("ex-g1"), "ex-g1's first heartbeat (it reads its topic)")
         for rs in out.values():
             await write(rs[0])
         await asyncio.wait_for(asyncio.gather(started["ex-g1"].wait(), started["ex-g2"].wait()), WAIT_S)
@@ -452,6 +453,7 @@ async def test_stop_finishes_or_abandons_running_work_and_advertises_no_capacity
         )
         release_handler.set()
         await asyncio.wait_for(stopping, WAIT_S)
+        await asyncio.wait_for(running, WAIT_S)  # run() returns once stopped
         await events.wait_for(lambda evs: events.heartbeats("ex-g1")[-1]["running"] == [], "ex-g1's last heartbeat")
 
     states = [s["state"] for s in events.statuses(key1)]
