@@ -149,22 +149,19 @@ def free_capacity(config: ExecutorConfig, held: list[SubgoalWork], gpu_free_mb: 
 class AttemptContext:
     """What a handler gets beside its work: the executor's id and an AgentStream for the attempt's step path.
 
-    `stream` is an `AgentStream` (started) for an async handler, an `AgentStreamSync` for a sync one (made on first
-    use, in the handler's thread); either way its events carry `attributes` (plan_id, subgoal_id, attempt,
-    plan_session_id, executor_id) and the attempt's own session, and the executor flushes them before it reports
-    the attempt SUCCEEDED."""
+    `stream` is an `AgentStream` (started) for an async handler, an `AgentStreamSync` for a sync one (over the same
+    kind of stream, on the executor's loop and producer); either way its events carry `attributes` (plan_id,
+    subgoal_id, attempt, plan_session_id, executor_id) and the attempt's own session, and the executor flushes them
+    before it reports the attempt SUCCEEDED."""
 
     work: SubgoalWork
     executor_id: str
     attributes: dict[str, str]
     session_id: str
     _stream: Any = None
-    _make_stream: Callable[[], Any] | None = None
 
     @property
     def stream(self) -> Any:
-        if self._stream is None and self._make_stream is not None:
-            self._stream = self._make_stream()
         return self._stream
 
 
@@ -500,31 +497,21 @@ class Executor:
         await self._end(work, "SUCCEEDED", output_ref=output_ref)
 
     async def _call_handler(self, work: SubgoalWork, context: AttemptContext) -> Any:
-        if self._is_async:
-            stream = self.stream_class(
-                self.settings, agent_id=self.config.agent_id or self.executor_id, session_id=context.session_id,
-                episode_id=work.episode_id, attributes=context.attributes, tool_schemas=self.tool_schemas,
-                producer=self._producer, codec=self._codec,
-            )  # fmt: skip
-            await stream.start()
-            context._stream = stream
-            try:
-                return await self.handler(work, context)
-            finally:
-                await stream.close()  # flushed: the step-path events are acknowledged before SUCCEEDED
-        return await asyncio.to_thread(self._run_sync, work, context)
-
-    def _run_sync(self, work: SubgoalWork, context: AttemptContext) -> Any:
-        """A sync handler, in a worker thread; its AgentStreamSync (if it used one) is flushed and closed after."""
-        context._make_stream = lambda: self.sync_stream_class(
+        stream = self.stream_class(
             self.settings, agent_id=self.config.agent_id or self.executor_id, session_id=context.session_id,
             episode_id=work.episode_id, attributes=context.attributes, tool_schemas=self.tool_schemas,
-        ).start()  # fmt: skip
+            producer=self._producer, codec=self._codec,
+        )  # fmt: skip
+        await stream.start()
         try:
-            return self.handler(work, context)
+            if self._is_async:
+                context._stream = stream
+                return await self.handler(work, context)
+            # a plain function runs in a worker thread, with a blocking facade over the same stream on this loop
+            context._stream = self.sync_stream_class.over(stream, asyncio.get_running_loop())
+            return await asyncio.to_thread(self.handler, work, context)
         finally:
-            if context._stream is not None:
-                context._stream.close()
+            await stream.close()  # flushed: the step-path events are acknowledged before SUCCEEDED
 
     def _context(self, work: SubgoalWork) -> AttemptContext:
         attributes = {

@@ -385,6 +385,21 @@ async def test_an_executor_runs_only_its_own_work_once_and_drops_expired_work(se
         assert len(done) == 1
         assert done[0]["output_ref"] == (None if r["executor_id"] == "ex-a" else '{"rows":3}')
 
+    # the sync handler's dispatches (a blocking stream over the executor's own) carry their attempt's tags
+    by_b = sorted(key for eid, key in ran if eid == "ex-b")
+    async with Topic(settings, TopicCatalog(settings)["actions"].name, DISPATCH) as actions:
+
+        def from_b(evs: list[PlanEvent]) -> list[str] | None:
+            tags = [e.record["envelope"]["attributes"] for e in evs]
+            keys = sorted(
+                f"{t['plan_session_id']}/{t['plan_id']}/{t['subgoal_id']}/{t['attempt']}"
+                for t in tags
+                if t.get("plan_session_id") == session and t.get("executor_id") == "ex-b"
+            )
+            return keys if len(keys) >= len(by_b) else None
+
+        assert await actions.wait_for(from_b, "ex-b's dispatches") == by_b
+
 
 async def test_stop_finishes_or_abandons_running_work_and_advertises_no_capacity(settings: Settings) -> None:
     """Capacity advertised = budget less the running attempt's profile, capped by the GPU probe; a graceful stop
