@@ -359,18 +359,25 @@ async def test_an_executor_runs_only_its_own_work_once_and_drops_expired_work(se
         last.apply(EXECUTOR_HEARTBEAT, heartbeat(eid, cls, now, cpu=1))
     sentinels = releases(last.apply(PLAN_SUBMITTED, plan_record(session, "last", subgoals[:2], now)))
     assert {r["executor_id"] for r in expired} == {r["executor_id"] for r in sentinels} == {"ex-a", "ex-b"}
+    # a release larger than ex-a's whole budget (a scheduler that believed an older, larger advertisement)
+    big = PlanScheduler(work_topic_prefix=f"{settings.topic_prefix}.work")
+    big.apply(EXECUTOR_HEARTBEAT, heartbeat("ex-a", cls, now, cpu=8))
+    huge = Subgoal(id="huge", resource_class=cls, profile=ResourceProfile(cpu=5), deadline_s=60)
+    (too_big,) = releases(big.apply(PLAN_SUBMITTED, plan_record(session, "big", [huge], now)))
 
     a = Executor(resource_class=cls, handler=handle_a, settings=settings, executor_id="ex-a", cpu=2)
     b = Executor(resource_class=cls, handler=handle_b, settings=settings, executor_id="ex-b", cpu=2)
     async with a, b, plan_events(settings) as events, work_writer(settings) as write:
         # one session, so one partition: the executors read these in this order
-        for record in [*released, *released, *expired, *sentinels]:
+        for record in [*released, *released, *expired, too_big, *sentinels]:
             await write(record)
         sentinel_keys = {f"{session}/last/{r['subgoal_id']}/{r['attempt']}" for r in sentinels}
         await events.wait_for(
             lambda evs: sentinel_keys <= {_key_of(s) for s in events.statuses() if s["state"] == "SUCCEEDED"},
             "the sentinels' SUCCEEDED",
         )
+    (refused,) = events.statuses(f"{session}/big/huge/1")
+    assert (refused["state"], refused["error_class"]) == ("FAILED", "over_capacity")
     expected = sorted((r["executor_id"], f"{session}/p/{r['subgoal_id']}/1") for r in released)
     assert sorted(x for x in ran if "/p/" in x[1]) == expected, "each release ran once, on its own executor"
     assert not [x for x in ran if "/old/" in x[1]], "expired work must not run"
