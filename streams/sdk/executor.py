@@ -69,8 +69,9 @@ Handler = Callable[["SubgoalWork", "AttemptContext"], Any]
 
 
 def default_executor_id() -> str:
-    """host-pid: unique per process, so a restarted executor is a new one (its predecessor's work times out)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """host-pid-random: a restarted executor is a new one (its predecessor's work times out), and two executors of
+    one process are two (the same id would make both run the work counted against it)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ an executor receives, and what an executor advertises."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -160,3 +161,9 @@ def test_an_executor_needs_a_handler_and_one_way_of_configuring_it() -> None:
     assert executor.work_topic == f"{executor.settings.topic_prefix}.work.gpu"
     assert executor.group_id == f"{executor.settings.topic_prefix}.executor.box-1"
     assert executor._is_async
+
+
+def test_two_executors_of_one_process_get_two_ids() -> None:
+    first, second = ExecutorConfig(resource_class="c"), ExecutorConfig(resource_class="c")
+    assert first.executor_id != second.executor_id
+    assert first.executor_id.rsplit("-", 2)[1] == str(os.getpid())
