@@ -26,6 +26,7 @@ _ONE_LINE_ERRORS = (
     ("aiokafka.errors", "KafkaConnectionError"),
     ("sinks.clickhouse", "ClickHouseUnavailableError"),
     ("sinks.sql_client", "QueryFailedError"),
+    ("sinks.sql_params", "QueryParameterError"),
     ("treadle.reports.plan_view", "PlanNotFoundError"),
     ("treadle.reports.plan_graph", "PlanGraphError"),
 )

@@ -139,18 +139,19 @@ CREATE OR REPLACE VIEW {database}.plan_decisions_latest AS SELECT * FROM {databa
 
 -- One row per released attempt: released -> running (first RUNNING or HEARTBEAT) -> ended (first SUCCEEDED or
 -- FAILED, or the timeout), with its executor and outcome (SUCCEEDED, FAILED, TIMED_OUT; empty while it runs).
--- Reports sent at or after the attempt's timeout are ignored, as the scheduler ignores them.
+-- Reports sent at or after the attempt's timeout are ignored, as the scheduler ignores them. (No join_use_nulls: a
+-- read-only session cannot set it, so what the LEFT JOINs may miss is Nullable, whose default is NULL.)
 CREATE OR REPLACE VIEW {database}.plan_attempts AS
 SELECT
     r.session_id AS session_id, r.plan_id AS plan_id, r.subgoal_id AS subgoal_id, r.attempt AS attempt,
     r.resource_class AS resource_class, r.executor_id AS executor_id, r.fallback AS fallback, r.tool AS tool,
     r.agent AS agent, r.gpu_memory_mb AS gpu_memory_mb, r.gpus AS gpus, r.cpu AS cpu,
     r.decided_at AS released_at,
-    if(s.running_at IS NOT NULL AND (t.decided_at IS NULL OR s.running_at < t.decided_at)
+    if(s.running_at IS NOT NULL AND (t.timed_out_at IS NULL OR s.running_at < t.timed_out_at)
        AND (s.ended_at IS NULL OR s.running_at <= s.ended_at), s.running_at, NULL) AS running_at,
-    (s.ended_at IS NOT NULL AND (t.decided_at IS NULL OR s.ended_at < t.decided_at)) AS reported_end,
-    if(reported_end, s.ended_at, t.decided_at) AS ended_at,
-    multiIf(reported_end, s.end_state, t.decided_at IS NOT NULL, 'TIMED_OUT', '') AS outcome,
+    (s.ended_at IS NOT NULL AND (t.timed_out_at IS NULL OR s.ended_at < t.timed_out_at)) AS reported_end,
+    if(reported_end, s.ended_at, t.timed_out_at) AS ended_at,
+    multiIf(reported_end, s.end_state, t.timed_out_at IS NOT NULL, 'TIMED_OUT', '') AS outcome,
     multiIf(outcome = 'FAILED', s.error_class, outcome = 'TIMED_OUT', 'timeout', NULL) AS error_class,
     if(outcome = 'SUCCEEDED', s.output_ref, NULL) AS output_ref,
     s.reported_by AS reported_by,
@@ -171,11 +172,10 @@ LEFT JOIN (
 ) AS s ON s.session_id = r.session_id AND s.plan_id = r.plan_id AND s.subgoal_id = r.subgoal_id
     AND s.attempt = r.attempt
 LEFT JOIN (
-    SELECT session_id, plan_id, subgoal_id, attempt, decided_at FROM {database}.plan_decisions FINAL
-    WHERE kind = 'timed_out'
+    SELECT session_id, plan_id, subgoal_id, attempt, toNullable(decided_at) AS timed_out_at
+    FROM {database}.plan_decisions FINAL WHERE kind = 'timed_out'
 ) AS t ON t.session_id = r.session_id AND t.plan_id = r.plan_id AND t.subgoal_id = r.subgoal_id
-    AND t.attempt = r.attempt
-SETTINGS join_use_nulls = 1;
+    AND t.attempt = r.attempt;
 
 -- Each subgoal's states with validity ranges, like the state graph's intervals: valid_from <= t < valid_to, the
 -- current state open until 2299-12-31. States are the scheduler's (processors.plans.dag.NodeState): WAITING, READY,

@@ -32,7 +32,7 @@ def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> Plan
     """The plan `plan_id` (of `session_id`, needed only when the id is in several sessions) with its subgoals, their
     state histories and attempts, and how it finished."""
     where = "plan_id = {plan:String}" + ("" if session_id is None else " AND session_id = {session:String}")
-    params = {"plan": plan_id, "session": session_id or ""}
+    params = {"plan": plan_id} if session_id is None else {"plan": plan_id, "session": session_id}
     plans = _rows(query, "SELECT session_id, goal, toUnixTimestamp64Micro(submitted_at) AS submitted_us "
                          f"FROM plans_latest WHERE {where} ORDER BY session_id LIMIT 11", params)  # fmt: skip
     if not plans:
