@@ -58,6 +58,21 @@ async def produce(settings: Settings, events: list[tuple[str, dict[str, Any]]], 
         await producer.stop()
 
 
+async def produce_bytes(settings: Settings, values: list[bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap_servers, acks="all")
+    await producer.start()
+    try:
+        for value in values:  # one partition, so the offsets give their order
+            await producer.send(TopicCatalog(settings)["plan_decisions"].name, value, key=SESSION.encode(), partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def submitted_first(log: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return next(record for schema, record in log if schema == PLAN_SUBMITTED)
+
+
 def rows(settings: Settings, sql: str) -> list[tuple[Any, ...]]:
     return [tuple(row) for row in run_sql(settings, sql)[1]]
 
@@ -165,11 +180,17 @@ def test_plan_tables_and_plan_show(deployment: Settings, sink: WorkerProcess, tm
              and count(deployment, "subgoal_statuses") == len(statuses), 90, "the plan rows",
              explain=sink.log_tail)  # fmt: skip
     # a replay: every decision and the first plan again, in later inserts (other parts), collapsing to one row each
-    asyncio.run(produce(deployment, [next(e for e in log if e[0] == PLAN_SUBMITTED)], decisions))
+    asyncio.run(produce(deployment, [(PLAN_SUBMITTED, submitted_first(log))], decisions))
     wait_for(lambda: count(deployment, "plan_decisions") == 2 * len(decisions), 90, "the replayed decisions",
              explain=sink.log_tail)  # fmt: skip
     wait_for(lambda: count(deployment, "plans") == 3, 30, "the replayed plan", explain=sink.log_tail)
     assert count(deployment, "rejected_rows") == 0
+    # what cannot become a row on a decisions topic (not Avro; a plan, which is not a decision) is a rejected row
+    asyncio.run(produce_bytes(deployment, [b"\x00garbage", CODEC.encode(PLAN_SUBMITTED, submitted_first(log))]))
+    rejected = wait_for(lambda: rows(deployment, "SELECT target_table, reason FROM rejected_rows ORDER BY offset"), 60,
+                        "the rejected rows", explain=sink.log_tail)  # fmt: skip
+    assert [table for table, _ in rejected] == ["plan_decisions", "plan_decisions"]
+    assert "expected one of" in rejected[1][1] and PLAN_SUBMITTED in rejected[1][1]
 
     # tables: one row per record (per decision_id, per plan)
     submitted = [r for schema, r in log if schema == PLAN_SUBMITTED]

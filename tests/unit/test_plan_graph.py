@@ -126,3 +126,14 @@ def test_the_critical_path_is_a_longest_chain(dag: tuple[dict[str, list[str]], d
     assert total == pytest.approx(sum(durations[s] for s in path))
     best = max(sum(durations[s] for s in chain) for chain in all_chains(depends_on))
     assert total == pytest.approx(best)
+
+
+def test_png_without_matplotlib_is_one_readable_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import sys
+
+    from treadle.reports.plan_view import draw_png
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the reports extra were not installed
+    plan = PlanView("s1", "p1", "", 0, {"a": SubgoalView("a", (), "cpu", "t")})
+    with pytest.raises(ModuleNotFoundError, match=r"--png needs matplotlib: pip install 'treadle\[reports\]'"):
+        draw_png(plan, tmp_path / "p.png")
