@@ -1,9 +1,9 @@
 """Two plans run through the real scheduler fold (processors.plans.dag.PlanScheduler), for the plan tables' tests.
 
-p-ok (4 subgoals) succeeds after a failed attempt (OOM, retried after a backoff) and a timed-out attempt (retried,
-while its stalled executor reports success too late); p-bad (3 subgoals) escalates one subgoal, cancelling its
-dependent. One CPU slot shared by both plans makes p-bad's subgoals queue. Event times are seconds after T0, which
-is on a whole minute.
+p-ok (4 subgoals) succeeds after a failed attempt (OOM, retried after a backoff) and a timed-out attempt (retried;
+its slow executor then reports success, which completes the subgoal while the retry runs); p-bad (3 subgoals)
+escalates one subgoal, cancelling its dependent. One CPU slot shared by both plans makes p-bad's subgoals queue.
+Event times are seconds after T0, which is on a whole minute.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def inputs() -> list[tuple[str, dict[str, Any]]]:
         heartbeat(10, "cpu-1", "cpu", 0, 0),  # lint times out at 10, retried at once, attempt 2 released
         status(11, "p-ok", "train", 2, "RUNNING", "gpu-1"),
         status(11, "p-ok", "lint", 2, "RUNNING", "cpu-1"),
-        status(12, "p-ok", "lint", 1, "SUCCEEDED", "cpu-1"),  # the stalled attempt, too late: changes nothing
-        status(13, "p-ok", "lint", 2, "SUCCEEDED", "cpu-1"),  # a released at 13
+        status(12, "p-ok", "lint", 1, "SUCCEEDED", "cpu-1"),  # the timed-out attempt was slow: lint succeeded
+        status(13, "p-ok", "lint", 2, "SUCCEEDED", "cpu-1"),  # the superseded retry ends: a released at 13
         status(14, "p-bad", "a", 1, "RUNNING", "cpu-1"),
         status(15, "p-bad", "a", 1, "FAILED", "cpu-1", "ToolError"),  # escalated, b cancelled; c released
         status(16, "p-bad", "c", 1, "RUNNING", "cpu-1"),

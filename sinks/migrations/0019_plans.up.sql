@@ -139,8 +139,10 @@ CREATE OR REPLACE VIEW {database}.plan_decisions_latest AS SELECT * FROM {databa
 
 -- One row per released attempt: released -> running (first RUNNING or HEARTBEAT) -> ended (first SUCCEEDED or
 -- FAILED, or the timeout), with its executor and outcome (SUCCEEDED, FAILED, TIMED_OUT; empty while it runs).
--- Reports sent at or after the attempt's timeout are ignored, as the scheduler ignores them. (No join_use_nulls: a
--- read-only session cannot set it, so what the LEFT JOINs may miss is Nullable, whose default is NULL.)
+-- Reports sent at or after the attempt's timeout do not change its outcome, as they do not for the scheduler, except
+-- that a late success still completes the subgoal (it was slow, not dead): `succeeded_at` is when the attempt's
+-- success counted for the subgoal (its SUCCEEDED report, even after a timeout), NULL otherwise. (No join_use_nulls:
+-- a read-only session cannot set it, so what the LEFT JOINs may miss is Nullable, whose default is NULL.)
 CREATE OR REPLACE VIEW {database}.plan_attempts AS
 SELECT
     r.session_id AS session_id, r.plan_id AS plan_id, r.subgoal_id AS subgoal_id, r.attempt AS attempt,
@@ -155,6 +157,7 @@ SELECT
     multiIf(outcome = 'FAILED', s.error_class, outcome = 'TIMED_OUT', 'timeout', NULL) AS error_class,
     if(outcome = 'SUCCEEDED', s.output_ref, NULL) AS output_ref,
     s.reported_by AS reported_by,
+    if(t.timed_out_at IS NOT NULL, s.succeeded_at, if(outcome = 'SUCCEEDED', ended_at, NULL)) AS succeeded_at,
     (toUnixTimestamp64Micro(running_at) - toUnixTimestamp64Micro(released_at)) / 1e6 AS start_delay_s,
     (toUnixTimestamp64Micro(ended_at) - toUnixTimestamp64Micro(released_at)) / 1e6 AS duration_s
 FROM (SELECT * FROM {database}.plan_decisions FINAL WHERE kind = 'released') AS r
@@ -166,6 +169,7 @@ LEFT JOIN (
         argMinIf(toString(state), event_time, state IN ('SUCCEEDED', 'FAILED')) AS end_state,
         argMinIf(error_class, event_time, state = 'FAILED') AS error_class,
         argMinIf(output_ref, event_time, state = 'SUCCEEDED') AS output_ref,
+        minIfOrNull(event_time, state = 'SUCCEEDED') AS succeeded_at,
         argMaxIf(executor_id, event_time, executor_id != '') AS reported_by
     FROM {database}.subgoal_statuses FINAL
     GROUP BY session_id, plan_id, subgoal_id, attempt
@@ -188,6 +192,14 @@ SELECT
     lagInFrame(state, 1, '') OVER w AS previous_state
 FROM
 (
+    -- nothing after the first terminal state (e.g. the attempt a late success superseded)
+    SELECT *, minIf(n, state IN ('SUCCEEDED', 'ESCALATED', 'CANCELLED'))
+        OVER (PARTITION BY session_id, plan_id, subgoal_id) AS last_n
+    FROM
+    (
+        SELECT *, row_number() OVER (PARTITION BY session_id, plan_id, subgoal_id ORDER BY at, attempt, rank) AS n
+        FROM
+        (
     SELECT session_id, plan_id, subgoal_id, 'WAITING' AS state,
         submitted_at AS at, toInt32(0) AS attempt, toUInt8(0) AS rank
     FROM {database}.plan_subgoals_latest WHERE notEmpty(depends_on)
@@ -195,14 +207,14 @@ FROM
     SELECT session_id, plan_id, subgoal_id, 'READY', submitted_at, toInt32(1), toUInt8(1)
     FROM {database}.plan_subgoals_latest WHERE empty(depends_on)
     UNION ALL
-    SELECT g.session_id, g.plan_id, g.subgoal_id, 'READY', max(d.ended_at), toInt32(1), toUInt8(1)
+    SELECT g.session_id, g.plan_id, g.subgoal_id, 'READY', max(d.first_success), toInt32(1), toUInt8(1)
     FROM (
         SELECT session_id, plan_id, subgoal_id, dep, length(depends_on) AS deps
         FROM {database}.plan_subgoals_latest ARRAY JOIN depends_on AS dep
     ) AS g
     INNER JOIN (
-        SELECT session_id, plan_id, subgoal_id, assumeNotNull(ended_at) AS ended_at FROM {database}.plan_attempts
-        WHERE outcome = 'SUCCEEDED'
+        SELECT session_id, plan_id, subgoal_id, min(assumeNotNull(succeeded_at)) AS first_success
+        FROM {database}.plan_attempts WHERE succeeded_at IS NOT NULL GROUP BY session_id, plan_id, subgoal_id
     ) AS d ON d.session_id = g.session_id AND d.plan_id = g.plan_id AND d.subgoal_id = g.dep
     GROUP BY g.session_id, g.plan_id, g.subgoal_id, g.deps
     HAVING uniqExact(g.dep) = g.deps
@@ -212,8 +224,9 @@ FROM
     SELECT session_id, plan_id, subgoal_id, 'RUNNING', assumeNotNull(running_at), attempt, toUInt8(3)
     FROM {database}.plan_attempts WHERE running_at IS NOT NULL
     UNION ALL
-    SELECT session_id, plan_id, subgoal_id, 'SUCCEEDED', assumeNotNull(ended_at), attempt, toUInt8(4)
-    FROM {database}.plan_attempts WHERE outcome = 'SUCCEEDED'
+    SELECT session_id, plan_id, subgoal_id, 'SUCCEEDED', min(assumeNotNull(succeeded_at)),
+        argMin(attempt, assumeNotNull(succeeded_at)), toUInt8(4)
+    FROM {database}.plan_attempts WHERE succeeded_at IS NOT NULL GROUP BY session_id, plan_id, subgoal_id
     UNION ALL
     SELECT session_id, plan_id, subgoal_id, 'BACKOFF', decided_at, attempt, toUInt8(5)
     FROM {database}.plan_decisions_latest WHERE kind = 'retried' AND assumeNotNull(retry_at) > decided_at
@@ -227,7 +240,10 @@ FROM
     UNION ALL
     SELECT session_id, plan_id, cancelled_id, 'CANCELLED', decided_at, toInt32(0), toUInt8(7)
     FROM {database}.plan_decisions_latest ARRAY JOIN cancelled AS cancelled_id WHERE kind = 'escalated'
+        )
+    )
 )
+WHERE n <= last_n OR last_n = 0
 WINDOW w AS (PARTITION BY session_id, plan_id, subgoal_id ORDER BY at, attempt, rank
              ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING);
 

@@ -89,6 +89,7 @@ class Attempt:
     error_class: str
     duration_s: float | None  # released -> ended
     fallback: bool = False
+    succeeded_late: bool = False  # timed out, then reported success: the subgoal took it (slow, not dead)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ def render_text(plan: PlanView) -> list[str]:
                     what += f" ({a.error_class})"
                 ran = "" if a.duration_s is None else f" {a.duration_s:.1f} s"
                 spare = " fallback" if a.fallback else ""
-                lines.append(f"      #{a.attempt}{spare} on {a.executor_id or '?'}: {what}{ran}")
+                late = ", succeeded late" if a.succeeded_late else ""
+                lines.append(f"      #{a.attempt}{spare} on {a.executor_id or '?'}: {what}{ran}{late}")
     return lines
 
 

@@ -60,12 +60,14 @@ def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> Plan
             to = None if row["to_year"] >= OPEN else row["to_us"]
             subgoals[row["subgoal_id"]].history.append(Interval(row["state"], row["attempt"], row["from_us"], to))
     for row in _rows(query, "SELECT subgoal_id, attempt, ifNull(executor_id, '') AS executor_id, resource_class, "
-                            "outcome, ifNull(error_class, '') AS error_class, duration_s, fallback "
+                            "outcome, ifNull(error_class, '') AS error_class, duration_s, fallback, "
+                            "outcome = 'TIMED_OUT' AND succeeded_at IS NOT NULL AS late "
                             f"FROM plan_attempts WHERE {key} ORDER BY subgoal_id, attempt", params):  # fmt: skip
         if row["subgoal_id"] in subgoals:
             subgoals[row["subgoal_id"]].attempts.append(Attempt(
                 row["attempt"], row["executor_id"], row["resource_class"], row["outcome"], row["error_class"],
                 None if row["duration_s"] is None else float(row["duration_s"]), bool(row["fallback"]),
+                bool(row["late"]),
             ))  # fmt: skip
     view = PlanView(session, plan_id, plans[0]["goal"], int(plans[0]["submitted_us"]), subgoals)
     finished = _rows(query, "SELECT outcome, toUnixTimestamp64Micro(decided_at) AS at_us FROM plan_decisions_latest "
