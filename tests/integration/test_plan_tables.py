@@ -194,11 +194,16 @@ def test_plan_tables_and_plan_show(deployment: Settings, sink: WorkerProcess, tm
     wait_for(lambda: count(deployment, "plan_decisions") == len(decisions)
              and count(deployment, "subgoal_statuses") == len(statuses), 90, "the plan rows",
              explain=sink.log_tail)  # fmt: skip
-    # a replay: every decision and the first plan again, in later inserts (other parts), collapsing to one row each
-    asyncio.run(produce(deployment, [(PLAN_SUBMITTED, submitted_first(log))], decisions))
+    # a replay: every decision and the first plan again, in later inserts (other parts), collapsing to one row each;
+    # and a different plan under p-ok's id, later (the scheduler refuses it): the first submission stays the plan
+    first = submitted_first(log)
+    other = {**first, "envelope": {**first["envelope"], "event_id": "0190b6c2-0000-7000-8000-999999999999",
+                                   "event_time": T0 + 60 * MICROS}, "goal": "another plan",
+             "subgoals": [*first["subgoals"], {**first["subgoals"][0], "subgoal_id": "extra"}]}  # fmt: skip
+    asyncio.run(produce(deployment, [(PLAN_SUBMITTED, first), (PLAN_SUBMITTED, other)], decisions))
     wait_for(lambda: count(deployment, "plan_decisions") == 2 * len(decisions), 90, "the replayed decisions",
              explain=sink.log_tail)  # fmt: skip
-    wait_for(lambda: count(deployment, "plans") == 3, 30, "the replayed plan", explain=sink.log_tail)
+    wait_for(lambda: count(deployment, "plans") == 4, 30, "the replayed plans", explain=sink.log_tail)
     assert count(deployment, "rejected_rows") == 0
     # what cannot become a row on a decisions topic (not Avro; a plan, which is not a decision) is a rejected row
     asyncio.run(produce_bytes(deployment, [b"\x00garbage", CODEC.encode(PLAN_SUBMITTED, submitted_first(log))]))
