@@ -20,9 +20,10 @@ State: one Faust table (RocksDB + changelog, co-partitioned with the inputs), JS
 folded, so a restarted worker goes on from the changelog: failure windows, variance accumulators, subgoal specs, the
 steps' actions and the watches (what must show life by when). Plan events are all keyed "plans", so everything about
 plans lives in that one partition; step events are keyed by session, so step failures and rewards are counted per
-input partition (one partition per deployment makes them global). Time is each partition's event time: the largest
-event time seen there. Before each event is folded, the watches it passed are reported stalled, so the rows do not
-depend on how the input was batched. The detection logic is processors.plans.symptoms.
+input partition (one partition per deployment makes them global). Time is event time, one clock per log and partition:
+the largest event time of the plan events (heartbeats' sent_at included), and of the step events, seen there. Before
+each event is folded, the watches its clock passed are reported stalled, so the rows do not depend on how the input
+was batched. The detection logic is processors.plans.symptoms.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ log = logging.getLogger(__name__)
 REPEATED_FAILURE = "repeated_failure"
 REWARD_VARIANCE = "reward_variance"
 STALL = "stall"
-CLOCK = b"clock"  # the partition's event time
-WATCH = "watch/"  # watch/subgoal/<attempt key> and watch/step/<logical_event_id>
+CLOCK = "clock/"  # clock/plan and clock/step: a partition's event time in each log
+WATCH = "watch/"  # watch/plan/<attempt key> and watch/step/<logical_event_id>
+PLAN, STEP = "plan", "step"  # the two logs: plan events (one key, "plans") and step events (keyed by session)
 
 
 class PlanDiagnosis:
@@ -85,9 +87,10 @@ class PlanDiagnosis:
         self.min_samples: int = defaults["diagnosis_variance_min_samples"].default
         self.variance_alert: float = defaults["diagnosis_variance_alert"].default
         self.step_timeout_us = round(defaults["diagnosis_step_timeout_s"].default * MICROS)
-        self._clock: dict[int, int] = {}  # partition -> event time
-        self._watches: dict[int, dict[str, Watch]] = defaultdict(dict)  # partition -> watch key -> watch
-        self._due: dict[int, list[tuple[int, str]]] = defaultdict(list)  # partition -> heap of (due, watch key)
+        # per (partition, PLAN or STEP): event time, the watches (by key) and a heap of (due, watch key)
+        self._clock: dict[tuple[int, str], int] = {}
+        self._watches: dict[tuple[int, str], dict[str, Watch]] = defaultdict(dict)
+        self._due: dict[tuple[int, str], list[tuple[int, str]]] = defaultdict(list)
         self._indexed_for: frozenset[Any] | None = None
 
     def setup(self, app: faust.App, settings: Settings) -> None:
@@ -102,18 +105,19 @@ class PlanDiagnosis:
 
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         self._index_if_moved()
-        moved: set[int] = set()
+        moved: set[tuple[int, str]] = set()
         for event in events:
-            partition = event.source.partition
+            where = (event.source.partition, PLAN if event.schema_name in _PLAN_INPUTS else STEP)
             try:
-                if self._move_clock(partition, _event_time(event)):
-                    moved.add(partition)
-                await self._report_stalls(partition, ctx)
+                if self._move_clock(where, _event_time(event)):
+                    moved.add(where)
+                await self._report_stalls(where, ctx)
                 await self._fold(event, ctx)
             except Exception as exc:  # odd input: dead-letter the event, keep going
                 await ctx.failed(self.name, event, exc)
-        for partition in sorted(moved):
-            await table_writes.put_in_partition(self.table, CLOCK, b"%d" % self._clock[partition], partition, ctx)
+        for partition, log_name in sorted(moved):
+            value = b"%d" % self._clock[(partition, log_name)]
+            await table_writes.put_in_partition(self.table, f"{CLOCK}{log_name}".encode(), value, partition, ctx)
 
     # -- the table ------------------------------------------------------------------------------------------------
 
@@ -138,8 +142,9 @@ class PlanDiagnosis:
         self._watches.clear()
         self._due.clear()
         for tp in assignment:
-            clock = table_writes.get_in_partition(self.table, CLOCK, tp.partition)
-            self._clock[tp.partition] = int(clock) if clock is not None else 0
+            for log_name in (PLAN, STEP):
+                clock = table_writes.get_in_partition(self.table, f"{CLOCK}{log_name}".encode(), tp.partition)
+                self._clock[(tp.partition, log_name)] = int(clock) if clock is not None else 0
             for key in table_writes.keys_in_order(self.table, tp.partition):
                 if key.startswith(WATCH.encode()):
                     value = table_writes.get_in_partition(self.table, key, tp.partition)
@@ -148,20 +153,22 @@ class PlanDiagnosis:
         self._indexed_for = assignment
 
     def _index(self, partition: int, key: str, watch: Watch) -> None:
-        self._watches[partition][key] = watch
-        heapq.heappush(self._due[partition], (watch.due, key))
+        where = (partition, _log_of(key))
+        self._watches[where][key] = watch
+        heapq.heappush(self._due[where], (watch.due, key))
 
     # -- time and stalls ------------------------------------------------------------------------------------------
 
-    def _move_clock(self, partition: int, at: int) -> bool:
-        if at > self._clock.get(partition, 0):
-            self._clock[partition] = at
+    def _move_clock(self, where: tuple[int, str], at: int) -> bool:
+        if at > self._clock.get(where, 0):
+            self._clock[where] = at
             return True
         return False
 
-    async def _report_stalls(self, partition: int, ctx: ProcessingContext) -> None:
-        """Report every watch the partition's clock passed, in due order (ties by key), and forget it."""
-        now, heap, watches = self._clock.get(partition, 0), self._due[partition], self._watches[partition]
+    async def _report_stalls(self, where: tuple[int, str], ctx: ProcessingContext) -> None:
+        """Report every watch the clock of this partition's log passed, in due order (ties by key), and forget it."""
+        now, heap, watches = self._clock.get(where, 0), self._due[where], self._watches[where]
+        partition = where[0]
         while heap and heap[0][0] <= now:
             due, key = heapq.heappop(heap)
             watch = watches.get(key)
@@ -177,14 +184,14 @@ class PlanDiagnosis:
             await ctx.publish(EVALUATION_METRIC, metric, key=watch.judged["session_id"].encode())
 
     async def _watch(self, key: str, watch: Watch, partition: int, ctx: ProcessingContext) -> None:
-        known = self._watches[partition].get(key)
+        known = self._watches[(partition, _log_of(key))].get(key)
         if known is not None and known.since >= watch.since:
             return  # an older or repeated sign of life
         self._index(partition, key, watch)
         await self._put(key, watch.to_json(), partition, ctx)
 
     async def _unwatch(self, key: str, partition: int, ctx: ProcessingContext) -> None:
-        if self._watches[partition].pop(key, None) is not None:
+        if self._watches[(partition, _log_of(key))].pop(key, None) is not None:
             await self._delete(key, partition, ctx)
 
     # -- folding --------------------------------------------------------------------------------------------------
@@ -220,7 +227,7 @@ class PlanDiagnosis:
             return  # a plan not submitted (the scheduler ignores it too)
         spec, attempt, at = subgoal["spec"], int(record["attempt"]), int(env["event_time"])
         tool, hashed = subgoal_action(spec, attempt, subgoal["fallback_from"])
-        watch_key = f"{WATCH}subgoal/{env['session_id']}/{record['plan_id']}/{record['subgoal_id']}/{attempt}"
+        watch_key = f"{WATCH}{PLAN}/{env['session_id']}/{record['plan_id']}/{record['subgoal_id']}/{attempt}"
         state = record["state"]
         if state in ("RUNNING", "HEARTBEAT"):
             await self._watch(watch_key, Watch(at + spec["deadline_us"], at, tool, hashed, env), partition, ctx)
@@ -280,7 +287,7 @@ class PlanDiagnosis:
         if not step["result"]:
             due = int(record["deadline"]) if record.get("deadline") else at + self.step_timeout_us
             watch = Watch(max(due, at), at, step["tool"], step["params_hash"], env)
-            await self._watch(f"{WATCH}step/{env['logical_event_id']}", watch, partition, ctx)
+            await self._watch(f"{WATCH}{STEP}/{env['logical_event_id']}", watch, partition, ctx)
         pending, step["pending"] = step["pending"], []
         await self._put(key, step, partition, ctx)
         for schema, judged in pending:  # what arrived before the dispatch, now that its action is known
@@ -294,7 +301,7 @@ class PlanDiagnosis:
         env = record["envelope"]
         key = f"step/{env['logical_event_id']}"
         step = self._get(key, partition) or _new_step()
-        await self._unwatch(f"{WATCH}step/{env['logical_event_id']}", partition, ctx)
+        await self._unwatch(f"{WATCH}{STEP}/{env['logical_event_id']}", partition, ctx)
         if step["result"]:
             return  # a repeated result
         step["result"] = True
@@ -335,6 +342,13 @@ class PlanDiagnosis:
             evidence = f"{judged['source']}/{judged['name']}: n={stats.n}, mean={stats.mean:.4g}"
             metric = metric_record(self.name, REWARD_VARIANCE, rule, stats.variance, severity, judged, evidence)
             await ctx.publish(EVALUATION_METRIC, metric, key=judged["envelope"]["session_id"].encode())
+
+
+_PLAN_INPUTS = frozenset({PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT})
+
+
+def _log_of(watch_key: str) -> str:
+    return PLAN if watch_key.startswith(f"{WATCH}{PLAN}/") else STEP
 
 
 def _event_time(event: InputEvent) -> int:
