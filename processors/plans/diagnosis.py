@@ -216,7 +216,7 @@ class PlanDiagnosis:
         for spec in record["subgoals"]:
             key = f"subgoal/{session}/{record['plan_id']}/{spec['subgoal_id']}"
             if self._get(key, partition) is None:  # a repeat (or a different plan the scheduler refuses) keeps it
-                await self._put(key, {"spec": _work_spec(spec), "fallback_from": None}, partition, ctx)
+                await self._put(key, {"spec": _work_spec(spec), "fallback_from": None, "ended": 0}, partition, ctx)
 
     async def _status(self, event: InputEvent, ctx: ProcessingContext) -> None:
         record, partition = event.record, event.source.partition
@@ -230,9 +230,17 @@ class PlanDiagnosis:
         watch_key = f"{WATCH}{PLAN}/{env['session_id']}/{record['plan_id']}/{record['subgoal_id']}/{attempt}"
         state = record["state"]
         if state in ("RUNNING", "HEARTBEAT"):
+            if attempt <= subgoal.get("ended", 0):
+                return  # an attempt that ended, or that a later one replaced, waking up: nothing to watch
+            if attempt - 1 > subgoal.get("ended", 0):  # a later attempt runs, so the earlier ones are over
+                subgoal["ended"] = attempt - 1
+                await self._put(subgoal_key, subgoal, partition, ctx)
             await self._watch(watch_key, Watch(at + spec["deadline_us"], at, tool, hashed, env), partition, ctx)
             return
         await self._unwatch(watch_key, partition, ctx)
+        if attempt > subgoal.get("ended", 0):  # SUCCEEDED or FAILED
+            subgoal["ended"] = attempt
+            await self._put(subgoal_key, subgoal, partition, ctx)
         if state != "FAILED":
             return
         advised = await self._failure("subgoal", tool, hashed, record, partition, ctx)

@@ -172,15 +172,17 @@ def test_plan_diagnosis_flags_failures_variance_and_stalls_and_advises_the_sched
     assert action_rule(advice[0]["tool"], advice[0]["params_hash"]) == flaky_rule
     assert advice[0]["advised_at"] == t0 + 4 * MICROS
 
-    # Attempt 4 fails after the advice; a heartbeat later moves the plan clock past b's deadline (a stall).
+    # Attempt 4 fails after the advice; attempt 1 wakes up late (it ended: nothing to watch); a heartbeat later moves
+    # the plan clock past b's deadline (a stall), and past where attempt 1's would have been.
     fourth = (SUBGOAL_STATUS, status(plans, "a", 4, "FAILED", t0 + 5 * MICROS))
-    asyncio.run(send_plan_events(settings, [fourth, (EXECUTOR_HEARTBEAT, heartbeat(t0 + 20 * MICROS))]))
+    zombie = (SUBGOAL_STATUS, status(plans, "a", 1, "HEARTBEAT", t0 + 6 * MICROS))
+    asyncio.run(send_plan_events(settings, [fourth, zombie, (EXECUTOR_HEARTBEAT, heartbeat(t0 + 40 * MICROS))]))
 
     expected = {
         ("repeated_failure", flaky_rule, 3.0), ("repeated_failure", flaky_rule, 4.0),
         ("repeated_failure", action_rule("db", params_hash('{"id":7}')), 3.0),
         ("reward_variance", action_rule("search", params_hash('{"q":"same"}')), 0.25),
-        ("stall", action_rule("slow", params_hash("{}")), 19.0),
+        ("stall", action_rule("slow", params_hash("{}")), 39.0),
         ("stall", action_rule("hang", params_hash("{}")), 10.0),
     }  # fmt: skip
 
