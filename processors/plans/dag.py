@@ -183,10 +183,10 @@ class PlanScheduler:
         self._ready: dict[str, dict[tuple[int, int], _Node]] = {}  # by resource class, then (plan seq, index)
         self._floor: dict[str, Resources] = {}  # per class: the least of every profile ever ready, component-wise
         self._dirty: set[str] = set()  # resource classes where a subgoal became ready or room grew since the last pass
+        self._advice: dict[tuple[str, str], int] = {}  # (tool or agent, params hash) -> skip retries until (advice)
         # (due, seq, kind, session, plan, subgoal, attempt); kind: "deadline" or "retry"
         self._timers: list[tuple[int, int, str, str, str, str, int]] = []
         self._timer_seq = 0
-        self._advice: dict[tuple[str, str], int] = {}  # (tool or agent, params hash) -> skip retries until (advice)
 
     # -- inputs -------------------------------------------------------------------------------------------------
 
