@@ -203,6 +203,12 @@ def test_plan_diagnosis_flags_failures_variance_and_stalls_and_advises_the_sched
     # The scheduler's fold over the log as it now stands: attempt 4 went to the fallback (advice), not a retry.
     log = asyncio.run(plan_log(settings))
     assert sorted(r["tool"] for s, r in log if s == SCHEDULER_ADVICE) == ["db", "flaky"]
+    query = "SELECT tool, failures, action FROM scheduler_advice_latest ORDER BY tool"
+    advice_rows = wait_for(
+        lambda: (found := run_sql(settings, query)[1]) and len(found) == 2 and found,
+        120, "the advice rows in scheduler_advice (migration 0020)",
+    )  # fmt: skip
+    assert advice_rows == [["db", 3, "SKIP_RETRIES"], ["flaky", 3, "SKIP_RETRIES"]]
     scheduler = PlanScheduler(work_topic_prefix=f"{settings.topic_prefix}.work")
     decisions = [d for schema, record in log for d in scheduler.apply(schema, record)]
     a = [(d.schema, d.record.get("failed_attempt")) for d in decisions if d.record.get("subgoal_id") == "a"]
