@@ -285,6 +285,7 @@ class PlanScheduler:
         params goes to its fallback at its next failure instead of spending its remaining retries. The advice is on
         the log like every input, so the decisions stay a function of it; a repeat changes nothing."""
         out = self._advance(int(record["advised_at"]))
+        self._advice = {action: until for action, until in self._advice.items() if until > self.now}  # expired ones
         if record["action"] == "SKIP_RETRIES":
             action = (record["tool"], record["params_hash"])
             self._advice[action] = max(self._advice.get(action, 0), int(record["valid_until"]))
