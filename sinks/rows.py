@@ -22,6 +22,7 @@ from topics.names import (
     PLAN_FINISHED,
     PLAN_SUBMITTED,
     REWARD,
+    SCHEDULER_ADVICE,
     STATE_DELTA,
     SUBGOAL_ESCALATED,
     SUBGOAL_RELEASED,
@@ -147,6 +148,11 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
         "resource_class", "work_topic", "executor_id", "tool", "agent", "params_json", "gpu_memory_mb", "gpus", "cpu",
         "deadline_s", "fallback", "error_class", "retry_at", "last_seen_at", "cancelled", "outcome", "succeeded",
         "escalated", "decided_at",
+    ),
+    # Self-diagnosis advice on plan_events (migration 0020).
+    "scheduler_advice": (
+        "advice_id", "action", "tool", "params_hash", "failures", "window_s", "reason", "evaluator", "source_event_id",
+        "advised_at", "valid_until",
     ),
 }  # fmt: skip
 
@@ -600,6 +606,13 @@ def _plan_finished(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]
                      cancelled=list(record["cancelled"]))  # fmt: skip
 
 
+def _scheduler_advice(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["scheduler_advice"]}
+    row["action"] = str(record["action"])
+    row["advised_at"], row["valid_until"] = micros(record["advised_at"]), micros(record["valid_until"])
+    return [("scheduler_advice", row)]
+
+
 # Record schema -> mapper, for the topics that carry several schemas (rows_for's `schema_name`).
 PLAN_ROWS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     PLAN_SUBMITTED: _plan_submitted,
@@ -611,4 +624,5 @@ PLAN_ROWS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]
     SUBGOAL_TIMED_OUT: _subgoal_timed_out,
     SUBGOAL_ESCALATED: _subgoal_escalated,
     PLAN_FINISHED: _plan_finished,
+    SCHEDULER_ADVICE: _scheduler_advice,
 }

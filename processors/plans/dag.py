@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from processors.plans.symptoms import work_action
 from topics.names import (
     EXECUTOR_HEARTBEAT,
     PLAN_FINISHED,
     PLAN_SUBMITTED,
+    SCHEDULER_ADVICE,
     SUBGOAL_ESCALATED,
     SUBGOAL_RELEASED,
     SUBGOAL_REROUTED,
@@ -252,6 +254,7 @@ class PlanScheduler:
         self._ready: dict[str, _ReadyQueue] = {}  # by resource class
         self._floor: dict[str, Resources] = {}  # per class: the least of every profile ever ready, component-wise
         self._dirty: set[str] = set()  # resource classes where a subgoal became ready or room grew since the last pass
+        self._advice: dict[tuple[str, str], int] = {}  # (tool or agent, params hash) -> skip retries until (advice)
         # (due, seq, kind, session, plan, subgoal, attempt); kind: "deadline" or "retry"
         self._timers: list[tuple[int, int, str, str, str, str, int]] = []
         self._timer_seq = 0
@@ -267,6 +270,8 @@ class PlanScheduler:
             return self.status(record)
         if schema_name == EXECUTOR_HEARTBEAT:
             return self.heartbeat(record)
+        if schema_name == SCHEDULER_ADVICE:
+            return self.advise(record)
         raise ValueError(f"the plans scheduler does not take {schema_name}")
 
     def tick(self, now: int) -> list[Decision]:
@@ -369,6 +374,24 @@ class PlanScheduler:
             self._forget_at = min(self._forget_at, expires_at + self._forget_us)
         self._release(out)
         return out
+
+    def advise(self, record: dict[str, Any]) -> list[Decision]:
+        """Self-diagnosis advice (SchedulerAdvice, SKIP_RETRIES): until `valid_until`, a subgoal running this tool and
+        params goes to its fallback at its next failure instead of spending its remaining retries. The advice is on
+        the log like every input, so the decisions stay a function of it; a repeat changes nothing."""
+        out = self._advance(int(record["advised_at"]))
+        self._advice = {action: until for action, until in self._advice.items() if until > self.now}  # expired ones
+        if record["action"] == "SKIP_RETRIES":
+            action = (record["tool"], record["params_hash"])
+            self._advice[action] = max(self._advice.get(action, 0), int(record["valid_until"]))
+        self._release(out)
+        return out
+
+    def _advised(self, node: _Node) -> bool:
+        """Whether advice in force says the node's work should skip its remaining retries (only before a fallback)."""
+        if not self._advice or node.on_fallback or node.spec.get("fallback") is None:
+            return False
+        return self._advice.get(work_action(node.work), 0) > self.now
 
     # -- reading the state ---------------------------------------------------------------------------------------
 
@@ -663,7 +686,7 @@ class PlanScheduler:
         node.error_class = error_class
         node.tries += 1
         retry = node.spec.get("retry") or {}
-        if node.tries < int(retry.get("max_attempts", 1)):
+        if node.tries < int(retry.get("max_attempts", 1)) and not self._advised(node):
             backoff = float(retry.get("backoff_s", 0.0)) * float(retry.get("backoff_multiplier", 2.0)) ** (
                 node.tries - 1
             )
