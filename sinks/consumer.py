@@ -18,7 +18,7 @@ from sinks.rejected_rows import RejectStage, RowSource
 from sinks.sink_group import SinkGroupAssignor, SinkIdentity, SinkRefusedError, StoreOwner, check_store_owner
 from sinks.writer import ClickHouseSink
 from streams.runtime.metrics import SinkMetrics
-from topics.catalog import TopicCatalog, TopicRole
+from topics.catalog import TopicCatalog, TopicRole, topic_expectation
 from topics.codec import AvroCodec, DecodeError
 from topics.intake import Accepted, Intake, Rejected, SourceMessage
 from topics.settings import CONSUMER_METADATA_MAX_AGE_MS, Settings
@@ -48,6 +48,7 @@ class SinkConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         self.assignor = SinkGroupAssignor(SinkIdentity.of(settings))  # one sink per embedded database
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}
+        self._expect = {name: topic_expectation(spec) for name, spec in self._specs.items()}  # output decoding
         self._consumed: dict[TopicPartition, int] = {}  # next offset per partition read since the last commit
         self._owner = ""  # StoreOwner.encode() of this sink's database, set by run()
         self._owner_recorded = False
@@ -157,7 +158,7 @@ class SinkConsumer:
         for source, row_source in sources:
             read = await self.intake.read_after_reload(source)
             if isinstance(read, Accepted):
-                full |= self.sink.add(self._specs[source.topic].kind, read.record, row_source)
+                full |= self.sink.add(self._specs[source.topic].kind, read.record, row_source, read.schema_name)
             else:
                 self.skipped += 1
         return full
@@ -177,8 +178,9 @@ class SinkConsumer:
                 if not isinstance(read, Accepted):
                     self.skipped += 1  # the step assembler writes it to dead letters
                     return False
-                return self.sink.add(spec.kind, read.record, row_source)
-            return self.sink.add_encoded(spec.kind, message.value, expect=spec.value_schema, source=row_source)
+                return self.sink.add(spec.kind, read.record, row_source, read.schema_name)
+            expect = self._expect[message.topic]
+            return self.sink.add_encoded(spec.kind, message.value, expect=expect, source=row_source)
         except DecodeError as exc:
             self.skipped += 1
             self.sink.reject(RejectStage.MAP, spec.kind, f"undecodable on an output topic: {exc.reason}", row_source)

@@ -15,7 +15,23 @@ from typing import Any
 
 import orjson
 
-from topics.names import DISPATCH, LIFECYCLE, REWARD, STATE_DELTA, TOOL_RESULT
+from topics.names import (
+    DISPATCH,
+    EXECUTOR_HEARTBEAT,
+    LIFECYCLE,
+    PLAN_FINISHED,
+    PLAN_SUBMITTED,
+    REWARD,
+    SCHEDULER_ADVICE,
+    STATE_DELTA,
+    SUBGOAL_ESCALATED,
+    SUBGOAL_RELEASED,
+    SUBGOAL_REROUTED,
+    SUBGOAL_RETRIED,
+    SUBGOAL_STATUS,
+    SUBGOAL_TIMED_OUT,
+    TOOL_RESULT,
+)
 
 # Revision of the row format below; bump it when a mapper changes what it writes, so that rows written by the
 # new mapper replace old ones on replay (it is the version column of raw_events and reward_components).
@@ -107,6 +123,37 @@ TABLE_COLUMNS: Mapping[str, tuple[str, ...]] = {
         "completion_logprobs", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms",
         "cost_usd", "temperature", "top_p", "seed", "max_tokens", "params_json", "ingested_revision",
     ),
+    # Plans (docs/plans.md): the plan_events and plan_decisions topics, routed by record schema (PLAN_ROWS).
+    "plans": (
+        "session_id", "plan_id", "episode_id", "agent_id", "goal", "event_id", "subgoal_count", "submitted_at",
+        "keep_first",
+    ),
+    "plan_subgoals": (
+        "session_id", "plan_id", "subgoal_id", "position", "event_id", "tool", "agent", "params_json",
+        "resource_class", "gpu_memory_mb", "gpus", "cpu", "deadline_s", "max_attempts", "backoff_s",
+        "backoff_multiplier", "has_fallback", "fallback_tool", "fallback_agent", "fallback_params_json",
+        "fallback_resource_class", "fallback_gpu_memory_mb", "fallback_gpus", "fallback_cpu", "depends_on",
+        "submitted_at", "keep_first",
+    ),
+    "subgoal_statuses": (
+        "session_id", "plan_id", "subgoal_id", "attempt", "state", "executor_id", "output_ref", "error_class", "error",
+        "event_id", "event_time",
+    ),
+    "executor_heartbeats": (
+        "executor_id", "resource_class", "free_gpu_memory_mb", "free_gpus", "free_cpu", "running", "valid_for_s",
+        "host", "sent_at",
+    ),
+    "plan_decisions": (
+        "decision_id", "kind", "session_id", "episode_id", "plan_id", "subgoal_id", "attempt", "next_attempt",
+        "resource_class", "work_topic", "executor_id", "tool", "agent", "params_json", "gpu_memory_mb", "gpus", "cpu",
+        "deadline_s", "fallback", "error_class", "retry_at", "last_seen_at", "cancelled", "outcome", "succeeded",
+        "escalated", "decided_at",
+    ),
+    # Self-diagnosis advice on plan_events (migration 0020).
+    "scheduler_advice": (
+        "advice_id", "action", "tool", "params_hash", "failures", "window_s", "reason", "evaluator", "source_event_id",
+        "advised_at", "valid_until",
+    ),
 }  # fmt: skip
 
 # Topic kinds whose records are their table's row field by field (same names; nested records as Nested columns;
@@ -121,11 +168,16 @@ AVRO_TABLES: Mapping[str, str] = {
 Row = dict[str, Any]
 
 
-def rows_for(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
-    """[(table, row)] for one decoded record of topic kind `kind`; a reward lands in two tables."""
+def rows_for(kind: str, record: Mapping[str, Any], schema_name: str | None = None) -> list[tuple[str, Row]]:
+    """[(table, row)] for one decoded record of topic kind `kind`; a reward lands in two tables.
+
+    A topic that carries several schemas (plan_events, plan_decisions) is mapped by the record's `schema_name`."""
     mapper = _MAPPERS.get(kind)
     if mapper is None:
-        raise ValueError(f"no ClickHouse table takes records of topic kind {kind!r} (known: {', '.join(_MAPPERS)})")
+        mapper = PLAN_ROWS.get(schema_name) if schema_name is not None else None
+        if mapper is None:
+            raise ValueError(f"no ClickHouse table takes records of topic kind {kind!r}, schema {schema_name!r} "
+                             f"(known kinds: {', '.join(_MAPPERS)}; schemas: {', '.join(PLAN_ROWS)})")  # fmt: skip
     return mapper(kind, record)
 
 
@@ -440,4 +492,137 @@ _MAPPERS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]
     "state_versions": _state_version,
     "contract_checks": _contract_check,
     "step_evidence": _step_evidence,
+}
+
+
+# --- plans (docs/plans.md): one mapper per record schema, since their topics carry several -------------------------
+
+_FIRST_WINS = 1 << 63  # keep_first = this - submitted_at: the earliest submission of a plan id has the largest
+
+
+def _plan_submitted(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    """A plan: its row and one row per subgoal (the DAG a reader draws)."""
+    envelope = record["envelope"]
+    session, plan_id, event_id = envelope["session_id"], record["plan_id"], str(envelope["event_id"])
+    submitted = micros(envelope["event_time"])
+    keep_first = _FIRST_WINS - submitted
+    subgoals = record["subgoals"]
+    rows: list[tuple[str, Row]] = [("plans", {
+        "session_id": session, "plan_id": plan_id, "episode_id": envelope["episode_id"],
+        "agent_id": envelope["agent_id"], "goal": record.get("goal", ""), "event_id": event_id,
+        "subgoal_count": len(subgoals), "submitted_at": submitted, "keep_first": keep_first,
+    })]  # fmt: skip
+    for position, subgoal in enumerate(subgoals):
+        profile, retry, fallback = subgoal["profile"], subgoal.get("retry") or {}, subgoal.get("fallback")
+        spare = fallback or {}
+        spare_profile = spare.get("profile") or {}
+        rows.append(("plan_subgoals", {
+            "session_id": session, "plan_id": plan_id, "subgoal_id": subgoal["subgoal_id"], "position": position,
+            "event_id": event_id, "tool": subgoal.get("tool"), "agent": subgoal.get("agent"),
+            "params_json": subgoal.get("params_json", "{}"), "resource_class": subgoal.get("resource_class", "cpu"),
+            "gpu_memory_mb": int(profile.get("gpu_memory_mb", 0)), "gpus": int(profile.get("gpus", 0)),
+            "cpu": int(profile.get("cpu", 1)), "deadline_s": float(subgoal["deadline_s"]),
+            "max_attempts": int(retry.get("max_attempts", 1)), "backoff_s": float(retry.get("backoff_s", 0.0)),
+            "backoff_multiplier": float(retry.get("backoff_multiplier", 2.0)),
+            "has_fallback": int(fallback is not None),
+            "fallback_tool": spare.get("tool"), "fallback_agent": spare.get("agent"),
+            "fallback_params_json": spare.get("params_json"), "fallback_resource_class": spare.get("resource_class"),
+            "fallback_gpu_memory_mb": int(spare_profile.get("gpu_memory_mb", 0)),
+            "fallback_gpus": int(spare_profile.get("gpus", 0)), "fallback_cpu": int(spare_profile.get("cpu", 0)),
+            "depends_on": list(subgoal.get("depends_on") or []), "submitted_at": submitted, "keep_first": keep_first,
+        }))  # fmt: skip
+    return rows
+
+
+def _subgoal_status(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    envelope = record["envelope"]
+    return [("subgoal_statuses", {
+        "session_id": envelope["session_id"], "plan_id": record["plan_id"], "subgoal_id": record["subgoal_id"],
+        "attempt": record["attempt"], "state": str(record["state"]), "executor_id": record.get("executor_id", ""),
+        "output_ref": record.get("output_ref"), "error_class": record.get("error_class"), "error": record.get("error"),
+        "event_id": str(envelope["event_id"]), "event_time": micros(envelope["event_time"]),
+    })]  # fmt: skip
+
+
+def _executor_heartbeat(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["executor_heartbeats"]}
+    row["running"], row["valid_for_s"] = list(record["running"]), float(record["valid_for_s"])
+    row["sent_at"] = micros(record["sent_at"])
+    return [("executor_heartbeats", row)]
+
+
+_DECISION_DEFAULTS: Row = {
+    "subgoal_id": "", "attempt": 0, "next_attempt": None, "resource_class": "", "work_topic": "", "executor_id": None,
+    "tool": None, "agent": None, "params_json": "", "gpu_memory_mb": 0, "gpus": 0, "cpu": 0, "deadline_s": 0.0,
+    "fallback": 0, "error_class": "", "retry_at": None, "last_seen_at": None, "cancelled": [], "outcome": "",
+    "succeeded": [], "escalated": [],
+}  # fmt: skip
+
+
+def _decision(kind_name: str, record: Mapping[str, Any], at: str, **fields: Any) -> list[tuple[str, Row]]:
+    """One scheduler decision as a plan_decisions row: the columns its record has, the defaults for the rest."""
+    row = {**_DECISION_DEFAULTS, "decision_id": record["decision_id"], "kind": kind_name,
+           "session_id": record["session_id"], "episode_id": record["episode_id"], "plan_id": record["plan_id"],
+           "subgoal_id": record.get("subgoal_id", ""), "decided_at": micros(record[at]), **fields}  # fmt: skip
+    return [("plan_decisions", row)]
+
+
+def _subgoal_released(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    profile = record["profile"]
+    return _decision(
+        "released", record, "released_at", attempt=record["attempt"], resource_class=record["resource_class"],
+        work_topic=record["work_topic"], executor_id=record.get("executor_id"), tool=record.get("tool"),
+        agent=record.get("agent"), params_json=record["params_json"], gpu_memory_mb=int(profile["gpu_memory_mb"]),
+        gpus=int(profile["gpus"]), cpu=int(profile["cpu"]), deadline_s=float(record["deadline_s"]),
+        fallback=int(bool(record.get("fallback"))),
+    )  # fmt: skip
+
+
+def _subgoal_retried(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return _decision("retried", record, "decided_at", attempt=record["failed_attempt"],
+                     next_attempt=record["next_attempt"], error_class=record["error_class"],
+                     retry_at=micros(record["retry_at"]))  # fmt: skip
+
+
+def _subgoal_rerouted(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return _decision("rerouted", record, "decided_at", attempt=record["failed_attempt"],
+                     next_attempt=record["next_attempt"], error_class=record["error_class"], tool=record.get("tool"),
+                     agent=record.get("agent"))  # fmt: skip
+
+
+def _subgoal_timed_out(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return _decision("timed_out", record, "decided_at", attempt=record["attempt"], error_class="timeout",
+                     last_seen_at=micros(record["last_seen_at"]), deadline_s=float(record["deadline_s"]))  # fmt: skip
+
+
+def _subgoal_escalated(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return _decision("escalated", record, "decided_at", attempt=record["attempts"], error_class=record["error_class"],
+                     cancelled=list(record["cancelled"]))  # fmt: skip
+
+
+def _plan_finished(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    return _decision("finished", record, "finished_at", attempt=record["attempts"], outcome=str(record["outcome"]),
+                     succeeded=list(record["succeeded"]), escalated=list(record["escalated"]),
+                     cancelled=list(record["cancelled"]))  # fmt: skip
+
+
+def _scheduler_advice(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    row = {name: record[name] for name in TABLE_COLUMNS["scheduler_advice"]}
+    row["action"] = str(record["action"])
+    row["advised_at"], row["valid_until"] = micros(record["advised_at"]), micros(record["valid_until"])
+    return [("scheduler_advice", row)]
+
+
+# Record schema -> mapper, for the topics that carry several schemas (rows_for's `schema_name`).
+PLAN_ROWS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
+    PLAN_SUBMITTED: _plan_submitted,
+    SUBGOAL_STATUS: _subgoal_status,
+    EXECUTOR_HEARTBEAT: _executor_heartbeat,
+    SUBGOAL_RELEASED: _subgoal_released,
+    SUBGOAL_RETRIED: _subgoal_retried,
+    SUBGOAL_REROUTED: _subgoal_rerouted,
+    SUBGOAL_TIMED_OUT: _subgoal_timed_out,
+    SUBGOAL_ESCALATED: _subgoal_escalated,
+    PLAN_FINISHED: _plan_finished,
+    SCHEDULER_ADVICE: _scheduler_advice,
 }

@@ -115,12 +115,15 @@ class ClickHouseSink:
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()
 
-    def add(self, kind: str, record: Mapping[str, Any], source: RowSource | None = None) -> bool:
-        """Buffer the rows of one decoded record of topic kind `kind`; True when a batch is full.
+    def add(
+        self, kind: str, record: Mapping[str, Any], source: RowSource | None = None, schema_name: str | None = None
+    ) -> bool:
+        """Buffer the rows of one decoded record of topic kind `kind`; True when a batch is full. A topic that
+        carries several schemas needs the record's `schema_name` (sinks.rows.rows_for).
 
         With its `source`, a record whose rows cannot be made becomes a rejected_rows row instead of raising."""
         try:  # every row of the record is made before any is buffered: a record is written whole or rejected
-            rows = [(table, _ROW_VALUES[table](row)) for table, row in rows_for(kind, record)]
+            rows = [(table, _ROW_VALUES[table](row)) for table, row in rows_for(kind, record, schema_name)]
         except Exception as exc:
             if source is None:
                 raise
@@ -146,8 +149,11 @@ class ClickHouseSink:
             batch = self._batches[REJECTED] = _TableBatch(TABLE_COLUMNS[REJECTED])
         batch.append(rejected_row(stage, table, reason, source))
 
-    def add_encoded(self, kind: str, value: bytes | None, expect: str, source: RowSource | None = None) -> bool:
-        """Buffer one record of topic kind `kind` as it is on the topic (schema `expect`); True when a batch is full.
+    def add_encoded(
+        self, kind: str, value: bytes | None, expect: str | frozenset[str], source: RowSource | None = None
+    ) -> bool:
+        """Buffer one record of topic kind `kind` as it is on the topic (schema `expect`, or the set of schemas a
+        multi-schema topic carries: topics.catalog.topic_expectation); True when a batch is full.
 
         Written with the current version of `expect` and bound for an AVRO_TABLES table, it stays bytes until
         ClickHouse reads it; anything else is decoded here, and DecodeError propagates.
@@ -159,8 +165,8 @@ class ClickHouseSink:
                 container = self._containers[table] = AvroContainer(self.codec.schemas[expect])
             container.append(value, source)
             return container.rows >= self.batch_size
-        _, record = self.codec.decode(value, expect=expect)
-        return self.add(kind, record, source)
+        schema_name, record = self.codec.decode(value, expect=expect)
+        return self.add(kind, record, source, schema_name)
 
     def _header(self, schema_name: str) -> bytes:
         header = self._headers.get(schema_name)

@@ -29,6 +29,7 @@ INPUT_SCHEMAS = (DISPATCH, TOOL_RESULT, REWARD, STATE_DELTA, LIFECYCLE, LLM_CALL
 PLAN_SUBMITTED = "treadle.events.PlanSubmitted"
 SUBGOAL_STATUS = "treadle.events.SubgoalStatus"
 EXECUTOR_HEARTBEAT = "treadle.events.ExecutorHeartbeat"
+SCHEDULER_ADVICE = "treadle.events.SchedulerAdvice"  # written by the plan_diagnosis evaluator, read back
 SUBGOAL_RELEASED = "treadle.derived.SubgoalReleased"
 SUBGOAL_RETRIED = "treadle.derived.SubgoalRetried"
 SUBGOAL_REROUTED = "treadle.derived.SubgoalRerouted"
@@ -38,7 +39,7 @@ PLAN_FINISHED = "treadle.derived.PlanFinished"
 
 # The plans scheduler's input is one ordered log (the plan_events topic, all three schemas, one key): capacity is
 # shared by every plan, and its decisions must be a function of the log, so the log must have one order.
-PLAN_INPUT_SCHEMAS = (PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT)
+PLAN_INPUT_SCHEMAS = (PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT, SCHEDULER_ADVICE)
 PLAN_DECISION_SCHEMAS = (
     SUBGOAL_RELEASED, SUBGOAL_RETRIED, SUBGOAL_REROUTED, SUBGOAL_TIMED_OUT, SUBGOAL_ESCALATED, PLAN_FINISHED,
 )  # fmt: skip

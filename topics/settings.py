@@ -292,6 +292,35 @@ class Settings(BaseModel):
     llm_judge_concurrency: int = Field(
         default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
     )
+    diagnosis_failure_threshold: int = Field(
+        default=3,
+        ge=2,
+        description="TREADLE_DIAGNOSIS_FAILURE_THRESHOLD: plan_diagnosis flags a tool and params as repeatedly "
+        "failing (a repeated_failure metric and a SchedulerAdvice) at this many failures within the window.",
+    )
+    diagnosis_failure_window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="TREADLE_DIAGNOSIS_FAILURE_WINDOW_S: plan_diagnosis's event-time window for repeated failures; "
+        "its advice to skip retries holds this long after the failure that triggered it.",
+    )
+    diagnosis_variance_min_samples: int = Field(
+        default=5,
+        ge=2,
+        description="TREADLE_DIAGNOSIS_VARIANCE_MIN_SAMPLES: rewards of one tool and params (per source and name) "
+        "before plan_diagnosis reports their variance.",
+    )
+    diagnosis_variance_alert: float = Field(
+        default=0.25,
+        ge=0,
+        description="TREADLE_DIAGNOSIS_VARIANCE_ALERT: a reward_variance at or above this is severity high (else low).",
+    )
+    diagnosis_step_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="TREADLE_DIAGNOSIS_STEP_TIMEOUT_S: event-time seconds a dispatched step may wait for its tool "
+        "result (unless the dispatch has its own deadline) before plan_diagnosis reports a stall.",
+    )
     state_auto_nodes: bool = Field(
         default=True,
         description="TREADLE_STATE_AUTO_NODES: dispatches and tool results add state-graph nodes and a causes edge.",

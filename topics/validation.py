@@ -24,6 +24,7 @@ from topics.names import (
     PLAN_EVENTS_KEY,
     PLAN_INPUT_SCHEMAS,
     REWARD,
+    SCHEDULER_ADVICE,
     STATE_DELTA,
     TOOL_RESULT,
 )
@@ -90,6 +91,12 @@ def _plan_event_problem(schema_name: str, record: dict[str, Any], key: bytes | N
         if not record["executor_id"] or not record["resource_class"]:
             return "executor_id and resource_class must not be empty"
         return event_time_problem(record["sent_at"])
+    if schema_name == SCHEDULER_ADVICE:
+        if not record["tool"] or not record["params_hash"] or not record["advice_id"]:
+            return "advice_id, tool and params_hash must not be empty"
+        if record["valid_until"] < record["advised_at"]:
+            return "valid_until is before advised_at"
+        return event_time_problem(record["advised_at"])
     env = record["envelope"]
     for name in _REQUIRED_ENVELOPE:
         if not env.get(name):

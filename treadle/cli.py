@@ -741,6 +741,16 @@ def _contracts_commands() -> None:
 _contracts_commands()
 
 
+def _plan_commands() -> None:
+    """`treadle plan show` (treadle.plan_command)."""
+    from treadle.plan_command import plan_app
+
+    app.add_typer(plan_app, name="plan")
+
+
+_plan_commands()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()

@@ -1,0 +1,16 @@
+DROP VIEW IF EXISTS {database}.plan_gpu_memory;
+DROP VIEW IF EXISTS {database}.plan_queueing_by_class;
+DROP VIEW IF EXISTS {database}.plan_queueing_delays;
+DROP VIEW IF EXISTS {database}.subgoal_time_in_state;
+DROP VIEW IF EXISTS {database}.subgoal_state_history;
+DROP VIEW IF EXISTS {database}.plan_attempts;
+DROP VIEW IF EXISTS {database}.plan_decisions_latest;
+DROP VIEW IF EXISTS {database}.executor_heartbeats_latest;
+DROP VIEW IF EXISTS {database}.subgoal_statuses_latest;
+DROP VIEW IF EXISTS {database}.plan_subgoals_latest;
+DROP VIEW IF EXISTS {database}.plans_latest;
+DROP TABLE IF EXISTS {database}.plan_decisions;
+DROP TABLE IF EXISTS {database}.executor_heartbeats;
+DROP TABLE IF EXISTS {database}.subgoal_statuses;
+DROP TABLE IF EXISTS {database}.plan_subgoals;
+DROP TABLE IF EXISTS {database}.plans;
