@@ -243,14 +243,18 @@ class NaiveScheduler:
 
 
 def release_latency_on_stack(plans_count: int, nodes: int) -> None:
-    """HOOK (not built): release latency p50/p99 on the real stack, for issue #27's acceptance.
+    """HOOK, NOT BUILT: release latency p50/p99 on the real stack (issue #27's acceptance), for when the `plans`
+    processor (processors.plans.processor, branch plans-processor) and `treadle.Executor` are both on main.
 
-    Plan: a private stack (bench.common.local_stack), a worker with TREADLE_PROCESSORS=plans, two treadle.Executor
-    processes answering at once (one per class), the same submissions produced to `<prefix>.plan_events` with key
-    b"plans"; latency per release = the executor's receipt time of SubgoalReleased minus the time its last
-    dependency's SUCCEEDED was produced (both stamped by the executors, one clock), p50/p99 over every release whose
-    subgoal had a dependency, beside a raw produce -> consume round trip on the same stack as the baseline. Needs the
-    plans processor and the Executor SDK (other branches of issue #27)."""
+    Plan: a private stack (bench.common.bench_settings + local_stack), one `treadle worker` with
+    TREADLE_PROCESSORS=plans (as tests/integration/test_plans_pipeline.py runs it), one `treadle.Executor` per class
+    in this process (EXECUTORS' capacities) whose handlers return at once, the same `plans()` submitted with
+    AgentStream.submit_plan. Each handler stamps time.monotonic() when it is called (receipt) and just before it
+    returns (its SUCCEEDED goes out right after); one process, one clock. Latency of a release = its receipt minus the
+    latest return among its subgoal's dependencies (releases of subgoals with no dependency are left out: they wait
+    on the submission, not on a success). Print p50/p99/max beside the same stack's raw round trip (produce a record
+    to a topic, an aiokafka consumer receives it) as the baseline, with the load average; run it in `make bench`
+    rather than bench-smoke (Kafka start-up)."""
     raise NotImplementedError("release latency on the real stack needs the plans processor and treadle.Executor")
 
 

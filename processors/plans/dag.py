@@ -435,7 +435,8 @@ class PlanScheduler:
         return out
 
     def footprint(self) -> dict[str, int]:
-        """How much the fold holds (plans, finished plans remembered, executors, holds, ready entries, timers)."""
+        """How much the fold holds (plans, finished plans remembered, executors, holds, ready entries, timers,
+        advice in force)."""
         return {
             "plans": len(self._plans),
             "finished_remembered": len(self._finished),
@@ -444,6 +445,7 @@ class PlanScheduler:
             "ready": sum(len(q.nodes) for q in self._ready.values()),
             "ready_entries": sum(sum(map(len, q.by_profile.values())) + len(q.by_age) for q in self._ready.values()),
             "timers": len(self._timers),
+            "advice": len(self._advice),
         }
 
     # -- the fold ------------------------------------------------------------------------------------------------
