@@ -463,8 +463,11 @@ def scenarios(draw: st.DrawFn) -> tuple[dict[str, tuple[str, Resources]], list[d
 class Simulation:
     """Honest executors around a PlanScheduler, and the oracle that checks every decision as it comes."""
 
-    def __init__(self, executors: dict[str, tuple[str, Resources]], plans: list[dict[str, Any]]) -> None:
-        self.scheduler = PlanScheduler()
+    def __init__(
+        self, executors: dict[str, tuple[str, Resources]], plans: list[dict[str, Any]], aging_s: float = 60.0
+    ) -> None:
+        self.scheduler = PlanScheduler(aging_s=aging_s)
+        self.aging_s = aging_s
         self.executors = executors
         self.specs = {(p["plan_id"], s["subgoal_id"]): s for p in plans for s in p["subgoals"]}
         self.clock = 0.0
@@ -568,7 +571,8 @@ class Simulation:
 @given(scenarios(), st.data())
 def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st.DataObject) -> None:
     executors, plans = scenario
-    sim = Simulation(executors, plans)
+    aging_s = data.draw(st.sampled_from([60.0, 2.0, 0.0]), label="aging_s")  # 0: every pass goes by age
+    sim = Simulation(executors, plans, aging_s)
     for executor in sorted(executors):
         sim.heartbeat(executor, 1e6)
     for p in plans:
@@ -621,8 +625,8 @@ def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st
     for kind in sorted({kind for kind, _ in kinds(sim.decisions)}):
         event(kind)
     # deterministic: the same log decides the same, and so does the log with every input twice
-    assert replay(sim.log, twice=False) == sim.decisions
-    assert replay(sim.log, twice=True) == sim.decisions
+    assert replay(sim.log, twice=False, aging_s=aging_s) == sim.decisions
+    assert replay(sim.log, twice=True, aging_s=aging_s) == sim.decisions
     # bounded memory: finished plans leave only their redelivery check, and that goes after the retention, as do
     # executors whose advertisement expired long ago (with their holds), stale ready entries and timers
     footprint = sim.scheduler.footprint()
@@ -641,8 +645,8 @@ def ancestors(specs: dict[tuple[str, str], dict[str, Any]], plan_id: str, sid: s
     return seen
 
 
-def replay(log: list[tuple[str | None, Any]], twice: bool) -> list[Decision]:
-    scheduler, decisions = PlanScheduler(), []
+def replay(log: list[tuple[str | None, Any]], twice: bool, aging_s: float = 60.0) -> list[Decision]:
+    scheduler, decisions = PlanScheduler(aging_s=aging_s), []
     for schema, record in log:
         for _ in range(2 if twice else 1):
             decisions += scheduler.tick(record) if schema is None else scheduler.apply(schema, record)
