@@ -173,7 +173,6 @@ class PlanScheduler:
         self.work_topic_prefix = work_topic_prefix
         self.now = 0
         self._plans: dict[tuple[str, str], _Plan] = {}
-        self._forgotten: dict[tuple[str, str], str] = {}  # finished plans let go by `forget`: their content
         self._executors: dict[str, _Executor] = {}
         # attempts counted against each executor, by attempt key: released and not ended, or timed out (its
         # executor may still run it) with the time it timed out
@@ -211,15 +210,13 @@ class PlanScheduler:
             {"plan_id": plan_id, "goal": record.get("goal", ""), "subgoals": record["subgoals"]}, sort_keys=True
         )
         known = self._plans.get((session_id, plan_id))
-        known_content = known.content if known is not None else self._forgotten.get((session_id, plan_id))
-        if known_content is not None:
-            if known_content == content:
+        if known is not None:
+            if known.content == content:
                 return []  # the same plan again: a redelivery
             raise PlanRefused(plan_id, "a different plan was already submitted under this plan_id")
         validate_plan(plan_id, record["subgoals"])
         out = self._advance(int(env["event_time"]))
-        seq = len(self._plans) + len(self._forgotten)  # submission order; forgetting a plan keeps it unique
-        plan = _Plan(session_id, env.get("episode_id", ""), plan_id, seq, content)
+        plan = _Plan(session_id, env.get("episode_id", ""), plan_id, len(self._plans), content)
         for index, spec in enumerate(record["subgoals"]):
             plan.nodes[spec["subgoal_id"]] = _Node(spec, index, plan)
         for node in plan.nodes.values():
@@ -287,17 +284,6 @@ class PlanScheduler:
     def plan_finished(self, session_id: str, plan_id: str) -> bool:
         return self._plans[(session_id, plan_id)].finished
 
-    def forget(self, session_id: str, plan_id: str) -> bool:
-        """Let a finished plan's subgoals go (memory), keeping only what tells a redelivery of it from a different
-        plan under its id; False (nothing done) for a plan not finished. Its statuses change nothing afterwards, as
-        for any finished plan, so forgetting at the same point of the log decides the same."""
-        plan = self._plans.get((session_id, plan_id))
-        if plan is None or not plan.finished:
-            return False
-        del self._plans[(session_id, plan_id)]
-        self._forgotten[(session_id, plan_id)] = plan.content
-        return True
-
     def available(self, resource_class: str) -> dict[str, Resources]:
         """Capacity still free per live executor of the class: advertised, less the attempts held against it."""
         return {
@@ -315,10 +301,7 @@ class PlanScheduler:
             self.now = at
         while self._timers and self._timers[0][0] <= self.now:
             due, _, kind, session_id, plan_id, subgoal_id, attempt = heapq.heappop(self._timers)
-            plan = self._plans.get((session_id, plan_id))
-            if plan is None:
-                continue  # a timer of a plan finished and forgotten
-            node = plan.nodes[subgoal_id]
+            node = self._plans[(session_id, plan_id)].nodes[subgoal_id]
             if node.attempt != attempt:
                 continue  # a timer of an attempt since replaced
             if kind == "retry" and node.state is NodeState.BACKOFF:

@@ -15,8 +15,8 @@ Crash safety. The fold lives in memory. When a worker first sees the partition, 
 -9, restart, rebalance), it folds the log from the start (or from where it stopped) up to the first record it is
 handed, sending nothing (processors.plans.recovery), then goes on live. Decisions a dead worker made after its last
 commit are made again identically; the decision ids already on plan_decisions and on the work topics since that
-record was written are read back first and not sent again, so an attempt is released once. Finished plans are
-forgotten (PlanScheduler.forget) when their PlanFinished is decided, in the replay too, so both decide the same.
+record was written are read back first and not sent again, so an attempt is released once. Memory: the scheduler
+forgets finished plans and long-gone executors itself, at points of event time, so a replay forgets the same.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, SourceMessage
-from topics.names import DEAD_LETTER, PLAN_FINISHED, PLAN_INPUT_SCHEMAS, PLAN_SUBMITTED, SUBGOAL_RELEASED
+from topics.names import DEAD_LETTER, PLAN_INPUT_SCHEMAS, PLAN_SUBMITTED, SUBGOAL_RELEASED
 from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
@@ -82,16 +82,12 @@ def work_topic_problem(plan: dict[str, Any], prefix: str) -> str | None:
 
 def fold_input(scheduler: PlanScheduler, schema_name: str, record: dict[str, Any]) -> list[Decision]:
     """One input through the scheduler as the processor folds it, live and in a recovery alike: a plan whose resource
-    classes cannot name work topics is refused too, and a finished plan is forgotten. PlanRefused for a refusal."""
+    classes cannot name work topics is refused too. PlanRefused for a refusal."""
     if schema_name == PLAN_SUBMITTED:
         problem = work_topic_problem(record, scheduler.work_topic_prefix)
         if problem is not None:
             raise PlanRefused(record["plan_id"], problem)
-    decisions = scheduler.apply(schema_name, record)
-    for decision in decisions:
-        if decision.schema == PLAN_FINISHED:
-            scheduler.forget(decision.record["session_id"], decision.record["plan_id"])
-    return decisions
+    return scheduler.apply(schema_name, record)
 
 
 class PlansProcessor:
