@@ -217,7 +217,8 @@ def test_an_attempt_without_a_sign_of_life_past_its_deadline_is_timed_out_and_re
     assert kinds(out) == [("timed_out", "a"), ("retried", "a"), ("released", "a")]
     assert (out[0].record["last_seen_at"], out[0].record["attempt"]) == (at(14.9), 1)
     assert out[1].record["error_class"] == "timeout" and out[2].record["attempt"] == 2
-    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 25)) == []  # the stalled attempt woke up: too late
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 2, "RUNNING", 25)) == []
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "HEARTBEAT", 25)) == []  # the stalled attempt woke up: too late
     assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 2, "SUCCEEDED", 26))) == [("finished", "")]
 
 
@@ -285,6 +286,118 @@ def test_a_timed_out_attempt_holds_its_capacity_until_its_executor_says_it_dropp
     assert kinds(out) == [("released", "a")] and out[0].record["attempt"] == 2
 
 
+# -- late successes, forgetting, aging ------------------------------------------------------------------------------
+
+
+def test_a_late_success_of_a_timed_out_attempt_counts_and_supersedes_the_retry() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0, cpu=2))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=5, attempts=3), subgoal("b", "a", cpu=2)]))
+    assert kinds(s.tick(at(5))) == [("timed_out", "a"), ("retried", "a"), ("released", "a")]
+    assert s.available("cpu") == {"cpu-1": Resources(0, 0, 0)}  # attempt 1 may still run; attempt 2 is out
+    # attempt 1 was slow, not dead: its success counts, and b is released once the room is there
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 6)) == []
+    assert s.subgoal_states(SESSION, "p")["a"] is NodeState.SUCCEEDED
+    assert s.available("cpu") == {"cpu-1": Resources(0, 0, 1)}  # attempt 2 (superseded) holds until its deadline
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 9, cpu=2)) == []  # before attempt 2's deadline (10)
+    assert kinds(s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 10, cpu=2))) == [("released", "b")]
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 2, "SUCCEEDED", 11)) == []  # the superseded attempt: nothing
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 11)) == []  # a repeat: nothing
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "b", 1, "SUCCEEDED", 12))) == [("finished", "")]
+
+
+def test_a_late_success_does_not_undo_an_escalation_nor_a_reported_failure() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=5), subgoal("b", "a"), subgoal("c", deadline_s=60)]))
+    assert kinds(s.tick(at(5))) == [("timed_out", "a"), ("escalated", "a")]
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 6)) == []
+    assert s.subgoal_states(SESSION, "p") == {"a": NodeState.ESCALATED, "b": NodeState.CANCELLED,
+                                              "c": NodeState.RELEASED}  # fmt: skip
+
+
+def test_finished_plans_are_forgotten_after_the_retention_and_redeliveries_change_nothing_meanwhile() -> None:
+    s = PlanScheduler(finished_retention_s=100, finished_limit=2)
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a")]))
+    assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 1, "SUCCEEDED", 1))) == [("finished", "")]
+    assert s.footprint()["plans"] == 0 and s.footprint()["finished_remembered"] == 1
+    assert s.plan_finished(SESSION, "p") and s.subgoal_states(SESSION, "p") == {"a": NodeState.SUCCEEDED}
+    assert s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a")], t=50)) == []  # a redelivery
+    with pytest.raises(PlanRefused, match="a different plan was already submitted"):
+        s.apply(PLAN_SUBMITTED, plan("p", [subgoal("b")], t=50))
+    assert s.tick(at(100.9)) == [] and s.footprint()["finished_remembered"] == 1
+    assert s.tick(at(101)) == [] and s.footprint()["finished_remembered"] == 0  # forgotten: retention passed
+    with pytest.raises(KeyError):
+        s.subgoal_states(SESSION, "p")
+    for name in ("q1", "q2", "q3"):  # and never more than finished_limit, the oldest forgotten first
+        s.apply(PLAN_SUBMITTED, plan(name, [subgoal("a")], t=102))
+        s.apply(SUBGOAL_STATUS, status(name, "a", 1, "SUCCEEDED", 103))
+    assert s.footprint()["finished_remembered"] == 2 and s.plan_finished(SESSION, "q3")
+    with pytest.raises(KeyError):
+        s.plan_finished(SESSION, "q1")
+
+
+def test_an_executor_gone_for_good_is_forgotten_with_its_zombie_holds() -> None:
+    s = PlanScheduler(executor_forget_s=100)
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=10, valid_for_s=10))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=10, deadline_s=5, attempts=2)]))
+    assert kinds(s.tick(at(5))) == [("timed_out", "a"), ("retried", "a")]  # the zombie holds gpu-1's room
+    assert s.tick(at(109.9)) == [] and s.footprint()["holds"] == 1
+    assert s.tick(at(110)) == [] and s.footprint()["executors"] == 0 and s.footprint()["holds"] == 0
+    late = heartbeat("gpu-1", 0, cls="gpu", gpu_mb=10, valid_for_s=10)
+    assert s.apply(EXECUTOR_HEARTBEAT, late) == [] and s.footprint()["executors"] == 0  # expired on arrival
+    out = s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 111, cls="gpu", gpu_mb=10))  # back: a new executor
+    assert kinds(out) == [("released", "a")] and out[0].record["attempt"] == 2
+
+
+def small_stream(s: PlanScheduler, steps: int, run_steps: int = 2) -> dict[str, int]:
+    """Plan "first" running, then one 1-CPU subgoal submitted per second, each running `run_steps` seconds on cpu-1
+    (2 CPUs): cpu-1 never has both CPUs free unless the scheduler keeps one. When each plan was released."""
+    released, running = {}, {"first": 1}
+
+    def note(decisions: list[Decision], t: int) -> None:
+        for d in decisions:
+            if d.schema == SUBGOAL_RELEASED:
+                released[d.record["plan_id"]] = t
+                running[d.record["plan_id"]] = t + run_steps
+
+    for t in range(1, steps):
+        note(s.apply(PLAN_SUBMITTED, plan(f"small{t}", [subgoal("a", deadline_s=1000)], t=t)), t)
+        for key in [k for k, until in running.items() if until <= t]:
+            del running[key]
+            note(s.apply(SUBGOAL_STATUS, status(key, "a", 1, "SUCCEEDED", t)), t)
+        busy = tuple(attempt_key(SESSION, k, "a", 1) for k in sorted(running))
+        used = sum(2 if k == "big" else 1 for k in running)
+        note(s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", t, cpu=2 - used, running=busy)), t)
+    return released
+
+
+def test_aging_keeps_backfill_from_starving_a_large_profile() -> None:
+    for aging_s, released_by in ((float("inf"), None), (10.0, 13)):
+        s = PlanScheduler(aging_s=aging_s)
+        s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0, cpu=2))
+        s.apply(PLAN_SUBMITTED, plan("first", [subgoal("a", deadline_s=1000)]))
+        s.apply(PLAN_SUBMITTED, plan("big", [subgoal("a", cpu=2, deadline_s=1000)]))  # does not fit beside "first"
+        released = small_stream(s, 60)
+        if released_by is None:
+            assert "big" not in released  # without aging: a stream of small ones passes it forever
+        else:
+            assert 10 <= released["big"] <= released_by  # waited 10 s: cpu-1 is kept for it, then it fits
+            assert max(released.values()) >= 55  # and the stream goes on after it
+
+
+def test_a_profile_no_executor_could_hold_waits_and_is_reported() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-1", 0, cls="gpu", gpu_mb=40_000, gpus=1))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", cls="gpu", gpu_mb=80_000), subgoal("b", cls="gpu", gpu_mb=10)]))
+    assert s.unplaceable() == [(SESSION, "p", "a", "gpu")]  # b was released; a is not refused: one may join later
+    assert kinds(s.apply(EXECUTOR_HEARTBEAT, heartbeat("gpu-2", 1, cls="gpu", gpu_mb=80_000, gpus=1))) == [
+        ("released", "a")
+    ]
+    assert s.unplaceable() == []
+
+
 # -- properties: random DAGs, random executors and random status streams, against a small oracle ---------------------
 
 CLASSES = ("cpu", "gpu")
@@ -349,7 +462,9 @@ class Simulation:
         self.released: set[tuple[str, str, int]] = set()
         self.current: dict[tuple[str, str], int] = {}  # latest attempt released
         self.live: set[tuple[str, str, int]] = set()  # attempts released and not ended, the oracle's view
+        self.timed_out: set[tuple[str, str, int]] = set()
         self.queued: dict[tuple[str, str, int], tuple[str, Resources]] = {}  # released, not yet picked up
+        self.start_by: dict[tuple[str, str, int], int] = {}  # released_at + deadline: the SDK drops it unstarted after
         self.picked: dict[str, dict[tuple[str, str, int], Resources]] = {e: {} for e in executors}
         self.succeeded: set[tuple[str, str]] = set()
         self.escalated: set[tuple[str, str]] = set()
@@ -378,12 +493,14 @@ class Simulation:
             self.current[node] = r["attempt"]
             self.live.add(key)
             self.queued[key] = (r["executor_id"], Resources.of(r["profile"]))
+            self.start_by[key] = r["released_at"] + round(r["deadline_s"] * MICROS)
             assert self.executors[r["executor_id"]][0] == r["resource_class"]
             self.check_capacity()
         elif d.schema == SUBGOAL_TIMED_OUT:
             key = (*node, r["attempt"])
             assert key in self.live
             self.live.discard(key)
+            self.timed_out.add(key)
             self.queued.pop(key, None)  # the SDK drops work past its deadline before starting it
         elif d.schema == SUBGOAL_ESCALATED:
             assert not any(k[:2] == node for k in self.live)
@@ -418,14 +535,21 @@ class Simulation:
         if state in ("SUCCEEDED", "FAILED"):
             for held in self.picked.values():
                 held.pop(key, None)
+            node = key[:2]
             if key in self.live:
                 self.live.discard(key)
                 if state == "SUCCEEDED":
-                    self.succeeded.add(key[:2])
+                    self.succeeded.add(node)
+            elif state == "SUCCEEDED" and key in self.timed_out and node not in self.succeeded | self.escalated:
+                self.succeeded.add(node)  # a late success of a timed-out attempt: the work is done
+                event("late success")
+                self.live -= {k for k in self.live if k[:2] == node}  # an attempt still out is superseded
         self.feed(SUBGOAL_STATUS, status(key[0], key[1], key[2], state, self.clock, error_class))
 
     def advance(self, seconds: float) -> None:
         self.clock += seconds
+        for key in [k for k in self.queued if self.start_by[k] <= at(self.clock)]:
+            del self.queued[key]  # the SDK drops work whose deadline passed before it starts
         self.feed(None, at(self.clock))
 
 
@@ -488,6 +612,12 @@ def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st
     # deterministic: the same log decides the same, and so does the log with every input twice
     assert replay(sim.log, twice=False) == sim.decisions
     assert replay(sim.log, twice=True) == sim.decisions
+    # bounded memory: finished plans leave only their redelivery check, and that goes after the retention, as do
+    # executors whose advertisement expired long ago (with their holds), stale ready entries and timers
+    footprint = sim.scheduler.footprint()
+    assert (footprint["plans"], footprint["finished_remembered"], footprint["ready"]) == (0, len(plans), 0)
+    sim.advance(1e6 + 3600 + 600)  # past every advertisement, the retention and executor_forget_s
+    assert set(sim.scheduler.footprint().values()) == {0}, sim.scheduler.footprint()
 
 
 def ancestors(specs: dict[tuple[str, str], dict[str, Any]], plan_id: str, sid: str) -> set[str]:
@@ -549,3 +679,53 @@ def test_a_plan_naming_an_unknown_dependency_is_refused(graph: dict[str, list[st
     subgoals[-1]["depends_on"].append(unknown)
     with pytest.raises(PlanRefused, match="depends on unknown subgoal"):
         PlanScheduler().apply(PLAN_SUBMITTED, plan("p", subgoals))
+
+
+@PROPERTY
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.sampled_from([3.0, 5.0, 10.0]),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    st.lists(st.integers(1, 3), min_size=1, max_size=8),
+)
+def test_with_aging_no_stream_of_small_subgoals_starves_a_large_one(
+    capacities: list[int], aging_s: float, arrivals: list[int], runs: list[int]
+) -> None:
+    """Executors busy with a stream of 1-CPU subgoals (arrivals per second and run lengths cycled from the lists):
+    a subgoal needing the largest executor whole is released at most a run and a heartbeat after it waited aging_s."""
+    s = PlanScheduler(aging_s=aging_s)
+    executors = {f"cpu-{i}": cap for i, cap in enumerate(capacities)}
+    running: dict[str, tuple[str, int, int]] = {}  # plan -> (executor, cpu, until)
+    released: dict[str, int] = {}
+    for eid, cap in executors.items():
+        s.apply(EXECUTOR_HEARTBEAT, heartbeat(eid, 0, cpu=cap))
+    count = 0
+
+    def note(decisions: list[Decision], t: int) -> None:
+        nonlocal count
+        for d in decisions:
+            if d.schema != SUBGOAL_RELEASED:
+                assert d.schema == PLAN_FINISHED
+                continue
+            r = d.record
+            released[r["plan_id"]] = t
+            running[r["plan_id"]] = (r["executor_id"], r["profile"]["cpu"], t + runs[count % len(runs)])
+            count += 1
+
+    for k in range(max(capacities)):  # the executors are busy when the large one is submitted
+        note(s.apply(PLAN_SUBMITTED, plan(f"early{k}", [subgoal("a", deadline_s=1e4)])), 0)
+    note(s.apply(PLAN_SUBMITTED, plan("big", [subgoal("a", cpu=max(capacities), deadline_s=1e4)])), 0)
+    horizon = int(aging_s) + max(runs) + 2
+    for t in range(1, horizon + 1):
+        for k in range(arrivals[t % len(arrivals)]):
+            note(s.apply(PLAN_SUBMITTED, plan(f"small{t}.{k}", [subgoal("a", deadline_s=1e4)], t=t)), t)
+        for key in sorted(k for k, (_, _, until) in running.items() if until <= t):
+            del running[key]
+            note(s.apply(SUBGOAL_STATUS, status(key, "a", 1, "SUCCEEDED", t)), t)
+        for eid, cap in executors.items():
+            mine = sorted(k for k, (e, _, _) in running.items() if e == eid)
+            used = sum(running[k][1] for k in mine)
+            assert used <= cap
+            busy = tuple(attempt_key(SESSION, k, "a", 1) for k in mine)
+            note(s.apply(EXECUTOR_HEARTBEAT, heartbeat(eid, t, cpu=cap - used, running=busy)), t)
+    assert "big" in released, f"starved past {horizon} s"
