@@ -236,3 +236,20 @@ def topic_expectation(spec: TopicSpec) -> str | frozenset[str] | None:
     """What AvroCodec.decode should expect of a record on `spec`'s topic: its schema, or the set a multi-schema topic
     carries."""
     return frozenset(spec.schemas) if spec.also_carries else spec.value_schema
+
+
+def work_topic_spec(settings: Settings, resource_class: str) -> TopicSpec:
+    """The work topic of one resource class, `<prefix>.work.<resource_class>`: the plans scheduler releases the class's
+    SubgoalReleased records to it (keyed by session) and each executor of the class reads all of it. Not in the
+    catalog: there is one per resource class, made on demand by whoever needs it first (ensure_topics([spec]))."""
+    return TopicSpec(
+        kind=f"work.{resource_class}",
+        name=f"{settings.topic_prefix}.work.{resource_class}",
+        role=TopicRole.OUTPUT,
+        value_schema=SUBGOAL_RELEASED,
+        key="session_id",
+        partitions=settings.partitions,
+        replication_factor=settings.replication_factor,
+        config=dict(_DELETE),
+        doc=f"Work released to the executors of resource class {resource_class!r}.",
+    )

@@ -3,7 +3,8 @@
 The public API. Agents emit with `AgentStream` (or `AgentStreamSync`) and await their steps' `Outcome`s, reward
 sources emit with `RewardEmitter`, trainers read replay data back with `treadle.replay` (the sink extra); plugin
 authors implement `EventProcessor`, publish `reward_signal(...)` and `metric_record(...)` records, and test with
-`treadle.testing`. Everything else is internal and may move.
+`treadle.testing`. Planners submit plans of `Subgoal`s (`AgentStream.submit_plan`) that `Executor`s run. Everything
+else is internal and may move.
 """
 
 from __future__ import annotations
@@ -17,21 +18,28 @@ from streams.sdk import (
     Edge,
     EventTooLargeError,
     FailedEvent,
+    Fallback,
     LifecycleKind,
     Node,
     Outcome,
     ProducerError,
+    ResourceProfile,
+    RetryPolicy,
     RewardEmitter,
     RewardEmitterSync,
     SpoolFullError,
     StepRef,
     StreamError,
+    Subgoal,
+    SubgoalWork,
     ToolCall,
     ToolStatus,
 )
+from topics.plan_checks import PlanRefused
 from topics.settings import Settings
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
 from treadle.agent import AgentStream, AgentStreamSync
+from treadle.executor import AttemptContext, Executor, ExecutorConfig
 
 if TYPE_CHECKING:
     from streams.runtime.processor import EventProcessor, InputEvent, ProcessingContext
@@ -40,23 +48,32 @@ __all__ = [
     "AgentStream",
     "AgentStreamSync",
     "Annotator",
+    "AttemptContext",
     "Edge",
     "EventProcessor",
     "EventTooLargeError",
+    "Executor",
+    "ExecutorConfig",
     "FailedEvent",
+    "Fallback",
     "InputEvent",
     "InvalidParamsError",
     "LifecycleKind",
     "Node",
     "Outcome",
+    "PlanRefused",
     "ProcessingContext",
     "ProducerError",
+    "ResourceProfile",
+    "RetryPolicy",
     "RewardEmitter",
     "RewardEmitterSync",
     "Settings",
     "SpoolFullError",
     "StepRef",
     "StreamError",
+    "Subgoal",
+    "SubgoalWork",
     "ToolCall",
     "ToolSchemas",
     "ToolStatus",

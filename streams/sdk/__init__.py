@@ -6,6 +6,7 @@
 
 from streams.sdk.llm_calls import LlmCallFields
 from streams.sdk.outcomes import Outcome
+from streams.sdk.plans import Fallback, ResourceProfile, RetryPolicy, Subgoal, SubgoalWork
 from streams.sdk.rewards import RewardEmitter
 from streams.sdk.spool import SpoolFullError
 from streams.sdk.stream import AgentStream
@@ -34,17 +35,22 @@ __all__ = [
     "Edge",
     "EventTooLargeError",
     "FailedEvent",
+    "Fallback",
     "InvalidParamsError",
     "LifecycleKind",
     "LlmCallFields",
     "Node",
     "Outcome",
     "ProducerError",
+    "ResourceProfile",
+    "RetryPolicy",
     "RewardEmitter",
     "RewardEmitterSync",
     "SpoolFullError",
     "StepRef",
     "StreamError",
+    "Subgoal",
+    "SubgoalWork",
     "ToolCall",
     "ToolStatus",
 ]

@@ -41,18 +41,21 @@ from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.event_checks import MAX_NAME_CHARS, event_time_problem, overlong_name_problem, reward_problem
 from topics.ids import uuid7
-from topics.names import INPUT_SCHEMAS, REWARD
+from topics.names import INPUT_SCHEMAS, PLAN_EVENTS_KEY, PLAN_INPUT_SCHEMAS, REWARD
 from topics.settings import Settings
 
 _CHECKPOINT_S = 0.1  # the resolution of delivery timeouts (see _Emitter._expire_overdue)
 _KEPT_BATCHES = 64  # batches an emitter remembers before it drops the finished ones
 _SPOOL_RETRY_S = 1.0  # pause before a spooled segment whose send failed is sent again
+_PLAN_KEY = PLAN_EVENTS_KEY.encode()  # every plan event's message key: the scheduler reads them as one ordered log
 
 log = logging.getLogger(__name__)
 
 
 class _Emitter:
     """What every emitter shares: the producer, the codec, background-send tracking and `seq`."""
+
+    _start_schemas: tuple[str, ...] = INPUT_SCHEMAS  # whose topics start() looks up (and requires)
 
     def __init__(
         self,
@@ -71,7 +74,8 @@ class _Emitter:
         self.agent_id = agent_id
         self.policy_version = policy_version
         catalog = TopicCatalog(self.settings)
-        self._topics = {schema: catalog.for_schema(schema).name for schema in INPUT_SCHEMAS}
+        self._topics = {schema: catalog.for_schema(schema).name for schema in (*INPUT_SCHEMAS, *PLAN_INPUT_SCHEMAS)}
+        self._attributes: dict[str, str] = {}  # attributes every event of this emitter carries (AgentStream's)
         self._codec = codec or AvroCodec()
         self._producer = producer
         self._owns_producer = producer is None
@@ -116,7 +120,7 @@ class _Emitter:
         try:
             if self._owns_producer:
                 await self._producer.start()
-            for topic in self._topics.values():
+            for topic in dict.fromkeys(self._topics[schema] for schema in self._start_schemas):
                 try:
                     partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
                 except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
@@ -311,7 +315,8 @@ class _Emitter:
         for token in sorted(self._pending):  # token order is send order
             value = self._pending[token]
             schema, record = self._codec.decode(value)
-            self._spool.append(self._topics[schema], record["envelope"]["session_id"].encode(), value, force=True)
+            key = _PLAN_KEY if schema in PLAN_INPUT_SCHEMAS else record["envelope"]["session_id"].encode()
+            self._spool.append(self._topics[schema], key, value, force=True)
         self._abandoned = bool(self._pending) or self._abandoned  # close must not wait on their batches
         self._pending.clear()
         self._checkpoints.clear()
@@ -450,7 +455,9 @@ class _Emitter:
             "event_time": time.time_ns() // 1000 if event_time is None else int(event_time),  # now_micros(), inline
             "policy_version": self.policy_version,
             "trace_id": trace_id,
-            "attributes": _attrs(attributes) if attributes else {},
+            "attributes": (_attrs(attributes) if attributes else {})
+            if not self._attributes
+            else ({**self._attributes, **_attrs(attributes)} if attributes else dict(self._attributes)),
         }
 
     def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
@@ -469,19 +476,24 @@ class _Emitter:
             )
         return value
 
-    def _send(self, schema: str, record: dict[str, Any], value: bytes) -> Coroutine[Any, Any, None] | None:
+    def _send(
+        self, schema: str, record: dict[str, Any], value: bytes, key: bytes | None = None
+    ) -> Coroutine[Any, Any, None] | None:
         """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.
 
         Returns None once it is handed over, which is almost always; when the partition's batch is
         full, a coroutine the caller awaits (it waits for room, then hands the event over). No
-        coroutine per event on the hot path.
+        coroutine per event on the hot path. The key is the event's session unless given (plan events).
         """
         topic = self._topics[schema]
-        session_id = record["envelope"]["session_id"]
-        if self._hashed[0] != session_id or not session_id:
-            key = session_id.encode()
-            self._hashed = (session_id, key, key_hash(key))
-        _, key, hashed = self._hashed
+        if key is None:
+            session_id = record["envelope"]["session_id"]
+            if self._hashed[0] != session_id or not session_id:
+                key = session_id.encode()
+                self._hashed = (session_id, key, key_hash(key))
+            _, key, hashed = self._hashed
+        else:
+            hashed = key_hash(key)
         if self._spooling:
             return self._to_spool(topic, key, value)
         # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
@@ -536,6 +548,24 @@ class _Emitter:
         value = self._pending.pop(token, None)  # None: already reported as expired
         if value is not None and error is not None:
             self._failures.append(self._failed_event(value, error))
+
+    async def _emit_plan_event(self, schema: str, record: dict[str, Any]) -> None:
+        """Send one PlanSubmitted, SubgoalStatus or ExecutorHeartbeat to plan_events, keyed PLAN_EVENTS_KEY."""
+        self._check_ready()
+        self._surface_failures()
+        encoded = self._encode(schema, record)
+        topic = self._topics[schema]
+        if topic not in self._partition_counts:  # an AgentStream learns plan_events' partitions on its first plan
+            assert self._producer is not None
+            try:
+                partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
+                self._partition_counts[topic] = len(partitions)
+            except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
+                raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)") from None
+        if "envelope" in record:
+            self._seq += 1
+        if (waiting := self._send(schema, record, encoded, _PLAN_KEY)) is not None:
+            await waiting
 
     async def _emit_reward(
         self,

@@ -43,6 +43,7 @@ from streams.sdk.emitter import (
 )
 from streams.sdk.llm_calls import LlmCallFields, openai_llm_calls
 from streams.sdk.outcomes import Outcome, OutcomeWatcher
+from streams.sdk.plans import Subgoal, plan_subgoals
 from streams.sdk.types import (
     _METADATA_TIMEOUT_S,
     _TOOL_STATUSES,
@@ -56,6 +57,7 @@ from streams.sdk.types import (
     StreamError,
     ToolCall,
     ToolStatus,
+    _attrs,
     _edge,
     _member,
     _micros,
@@ -66,7 +68,7 @@ from streams.sdk.types import (
 from topics.codec import AvroCodec
 from topics.event_checks import latency_problem, llm_call_problem
 from topics.ids import now_micros, uuid7
-from topics.names import DISPATCH, LIFECYCLE, LLM_CALL, STATE_DELTA, TOOL_RESULT
+from topics.names import DISPATCH, LIFECYCLE, LLM_CALL, PLAN_SUBMITTED, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
 
@@ -76,7 +78,8 @@ class AgentStream(_Emitter):
 
     `seq` counts every event this stream emits, from 0; `step` counts its dispatches, from 0.
     Pass `producer=` (started, on this event loop) to share one producer among many streams: each
-    stream then flushes only its own events and never stops the shared producer.
+    stream then flushes only its own events and never stops the shared producer. `attributes` are put in every
+    event's envelope (a call's own attributes win on a clash), e.g. the plan and subgoal an `Executor`'s work runs.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class AgentStream(_Emitter):
         producer_options: Mapping[str, Any] | None = None,
         codec: AvroCodec | None = None,
         delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S,
+        attributes: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             settings,
@@ -102,6 +106,7 @@ class AgentStream(_Emitter):
             codec=codec,
             delivery_timeout_s=delivery_timeout_s,
         )
+        self._attributes = _attrs(attributes)
         self.session_id = session_id or uuid7()
         self.episode_id = episode_id or uuid7()
         self.tool_schemas = tool_schemas if tool_schemas is not None else ToolSchemas.load(self.settings.tool_schemas)
@@ -536,6 +541,45 @@ class AgentStream(_Emitter):
         self._seq += 1
         if (waiting := self._send(LLM_CALL, record, encoded)) is not None:
             await waiting
+        return event_id
+
+    # -- plans --------------------------------------------------------------------------------
+
+    async def submit_plan(
+        self,
+        plan_id: str,
+        subgoals: Iterable[Subgoal | Mapping[str, Any]],
+        *,
+        goal: str = "",
+        attributes: Mapping[str, Any] | None = None,
+        event_time: int | None = None,
+    ) -> str:
+        """Submit a plan for this stream's session and episode: a DAG of `Subgoal`s the plans scheduler releases to
+        executors as their dependencies succeed and capacity allows. Returns the PlanSubmitted's event_id.
+
+        Checked before anything is sent, with the scheduler's own refusals: `PlanRefused` (a ValueError) names the
+        reason (a cycle, an unknown dependency, a repeated id, a bad retry policy...). Submitting the same plan again
+        is harmless (the scheduler ignores it); a different plan under the same `plan_id` would be refused there.
+        """
+        self._check_ready()
+        records = plan_subgoals(plan_id, [s if isinstance(s, Subgoal) else dict(s) for s in subgoals])
+        event_id = uuid7()
+        record = {
+            "envelope": self._envelope(
+                event_id=event_id,
+                session_id=self.session_id,
+                episode_id=self.episode_id,
+                logical_event_id=plan_id,
+                seq=self._seq,
+                trace_id="",
+                attributes=attributes,
+                event_time=event_time,
+            ),
+            "plan_id": plan_id,
+            "goal": goal,
+            "subgoals": records,
+        }
+        await self._emit_plan_event(PLAN_SUBMITTED, record)
         return event_id
 
     # -- rewards back to the agent --------------------------------------------------------------

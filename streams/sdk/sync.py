@@ -65,6 +65,31 @@ class _LoopThread:
         await asyncio.get_running_loop().shutdown_asyncgens()
 
 
+class _ForeignLoop:
+    """Calls into an event loop that another thread runs and owns (an Executor's): stopping it is not ours."""
+
+    thread = None
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise RuntimeError("a sync treadle stream was called from its own event loop (would deadlock)")
+        if self.loop.is_closed():
+            coro.close()
+            raise StreamError("the stream is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        pass
+
+
 def _close_forgotten(runner: _LoopThread, inner: _Emitter) -> None:
     """A facade dropped (or the interpreter exiting) without close(): deliver its events rather than lose them."""
     if runner.loop.is_closed() or threading.current_thread() is runner.thread:
@@ -108,6 +133,17 @@ class _SyncFacade:
         emitter_class = cls.__dict__.get("emitter_class")
         if emitter_class is not None:
             cls.__init__ = functools.wraps(emitter_class.__init__)(_SyncFacade.__init__)  # type: ignore[method-assign]
+
+    @classmethod
+    def over(cls, inner: _Emitter, loop: asyncio.AbstractEventLoop) -> Self:
+        """A facade for a started emitter that lives on `loop`, run by another thread (an Executor's handler threads
+        share its loop and producer this way). `close()` closes the emitter but leaves the loop running; an emitter
+        the caller does not close is the loop owner's to close."""
+        facade = cls.__new__(cls)
+        facade._inner = inner
+        facade._runner = _ForeignLoop(loop)  # type: ignore[assignment]
+        facade._finalizer = weakref.finalize(facade, int)  # nothing to do: the owner closes the emitter
+        return facade
 
     def start(self) -> Self:
         """Connect to Kafka; blocks until the producer is ready."""
@@ -175,6 +211,7 @@ class AgentStreamSync(_SyncFacade):
     llm_call = blocking(AgentStream.llm_call)
     llm_call_from_openai = blocking(AgentStream.llm_call_from_openai)
     outcome = blocking(AgentStream.outcome)
+    submit_plan = blocking(AgentStream.submit_plan)
 
     def outcomes(self) -> Iterator[Outcome]:
         """See AgentStream.outcomes; a blocking generator (close it, or leave the loop, to stop reading)."""
