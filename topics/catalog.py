@@ -195,25 +195,6 @@ class TopicCatalog:
     def __iter__(self):
         return iter(self._specs.values())
 
-    @property
-    def work_topic_prefix(self) -> str:
-        """Work topics of the plans scheduler are `<prefix>.work.<resource_class>` (docs/plans.md)."""
-        return f"{self.settings.topic_prefix}.work"
-
-    def work_topic(self, resource_class: str) -> TopicSpec:
-        """The work topic of one resource class (SubgoalReleased, keyed by session): made on demand, not listed."""
-        return TopicSpec(
-            kind=f"work.{resource_class}",
-            name=f"{self.work_topic_prefix}.{resource_class}",
-            role=TopicRole.OUTPUT,
-            value_schema=SUBGOAL_RELEASED,
-            key="session_id",
-            partitions=self.settings.partitions,
-            replication_factor=self.settings.replication_factor,
-            config=dict(_DELETE),
-            doc=f"Subgoals released to executors of resource class {resource_class!r}.",
-        )
-
     def by_role(self, role: TopicRole) -> list[TopicSpec]:
         return [s for s in self._specs.values() if s.role is role]
 

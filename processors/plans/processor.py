@@ -34,7 +34,7 @@ from processors.plans.dag import Decision, PlanRefused, PlanScheduler
 from streams.runtime.processor import InputEvent, ProcessingContext
 from streams.sdk.batching import key_hash
 from topics.admin import ensure_topics
-from topics.catalog import TopicCatalog
+from topics.catalog import TopicCatalog, work_topic_spec
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, SourceMessage
 from topics.names import DEAD_LETTER, PLAN_INPUT_SCHEMAS, PLAN_SUBMITTED, SUBGOAL_RELEASED
@@ -100,6 +100,7 @@ class PlansProcessor:
     def __init__(self) -> None:
         self.settings: Settings | None = None
         self.catalog: TopicCatalog | None = None
+        self.work_topic_prefix = ""
         self.folds: dict[int, PartitionFold] = {}
         self._work_partitions: dict[str, int] = {}  # work topics known to exist -> their partition count
         self._intake: Intake | None = None
@@ -107,6 +108,7 @@ class PlansProcessor:
     def setup(self, app: faust.App, settings: Settings) -> None:
         self.settings = settings
         self.catalog = TopicCatalog(settings)
+        self.work_topic_prefix = work_topic_spec(settings, "").name.rstrip(".")  # `<prefix>.work`
         # The recovery reads the log as the worker's intake does, so it folds exactly the records the intake took.
         self._intake = Intake(
             AvroCodec(), self.catalog, InputValidator(ToolSchemas.load(settings.tool_schemas)),
@@ -153,7 +155,7 @@ class PlansProcessor:
     async def _work_topic(self, resource_class: str) -> int:
         """The partition count of the class's work topic, made if missing (cached once seen)."""
         assert self.catalog is not None and self.settings is not None
-        spec = self.catalog.work_topic(resource_class)
+        spec = work_topic_spec(self.settings, resource_class)
         partitions = self._work_partitions.get(spec.name)
         if partitions is None:
             (state,) = await ensure_topics([spec], self.settings.kafka_bootstrap_servers)
@@ -179,7 +181,7 @@ class PlansProcessor:
         started = time.monotonic()
         servers = self.settings.kafka_bootstrap_servers
         if fold is None:
-            fold = PartitionFold(PlanScheduler(work_topic_prefix=self.catalog.work_topic_prefix), next_offset=0)
+            fold = PartitionFold(PlanScheduler(work_topic_prefix=self.work_topic_prefix), next_offset=0)
         first, folded = fold.next_offset, 0
         async for message in recovery.read_partition(servers, source.topic, source.partition, first, source.offset):
             read = self._intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
@@ -190,7 +192,7 @@ class PlansProcessor:
                     pass
                 folded += 1
         fold.next_offset, fold.skipped = source.offset, 0
-        work = [t for t in await recovery.topic_names(servers) if t.startswith(f"{self.catalog.work_topic_prefix}.")]
+        work = [t for t in await recovery.topic_names(servers) if t.startswith(f"{self.work_topic_prefix}.")]
         outputs = [self.catalog["plan_decisions"].name, *work]
         fold.sent = await recovery.sent_decision_ids(servers, outputs, source.timestamp_ms, ctx.codec)
         fold.sent_until = await recovery.end_offset(servers, source.topic, source.partition)

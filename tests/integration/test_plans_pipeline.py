@@ -1,5 +1,5 @@
-"""The plans scheduler on the real stack: a worker running the `plans` processor, two executors of one resource class
-with different capacities (tests.plan_executor, own processes), real Kafka.
+"""The plans scheduler on the real stack: a worker running the `plans` processor, two `treadle.Executor`s of one
+resource class with different capacities (tests.plan_executor, each its own process), real Kafka.
 
 A 50-node random DAG runs with injected failures (a retry that succeeds, a reroute to the fallback, an escalation that
 cancels what depends on it), the big executor is killed with -9 while it runs work (its attempts time out by their
@@ -142,12 +142,15 @@ class Executor:
     def __init__(self, settings: Settings, executor: tuple[str, tuple[int, int, int]], log_path: Path) -> None:
         executor_id, (gpu_mb, gpus, cpu) = executor
         self.log_path = log_path
-        argv = [sys.executable, "-m", "tests.plan_executor", settings.kafka_bootstrap_servers, settings.topic_prefix,
-                executor_id, "gpu", str(gpu_mb), str(gpus), str(cpu), str(log_path)]  # fmt: skip
+        argv = [sys.executable, "-m", "tests.plan_executor", executor_id, "gpu", str(gpu_mb), str(gpus), str(cpu),
+                str(log_path)]  # fmt: skip
+        env = {**os.environ, **settings.to_env(), "PYTHONPATH": str(REPO_ROOT)}
         with (log_path.parent / f"{executor_id}.out").open("ab") as out:
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
             self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
+
+    def ready(self) -> bool:
+        return any(line["event"] == "ready" for line in self.lines())
 
     def explain(self) -> str:
         out = (self.log_path.parent / f"{self.log_path.stem}.out").read_text(errors="replace")[-3000:]
@@ -210,6 +213,8 @@ def test_a_fifty_node_plan_survives_failures_a_dead_executor_and_a_worker_kill_9
     executors = {name: Executor(deployment, (name, cap), tmp_path / f"{name}.jsonl") for name, cap in (BIG, SMALL)}
     try:
         worker.wait_ready()
+        for executor in executors.values():  # an executor new to its group reads its work topic from the end
+            wait_for(executor.ready, 60, f"{executor.log_path.stem} to start", explain=executor.explain)
         asyncio.run(submit(deployment, [*bad_plans(), plan]))
 
         # The big executor dies (-9) while it runs an attempt: that attempt is timed out and retried on the small one.
