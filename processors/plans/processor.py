@@ -117,28 +117,37 @@ class PlansProcessor:
 
     async def process(self, events: list[InputEvent], ctx: ProcessingContext) -> None:
         for event in events:
-            source = event.source
-            fold = self.folds.get(source.partition)
-            if fold is None or source.offset > fold.next_offset:
-                fold = await self._recover(source, fold, ctx)
-            if source.offset < fold.next_offset:
-                continue  # folded here already (handed out again after a rebalance)
-            fold.next_offset = source.offset + 1
             try:
-                decisions = fold_input(fold.scheduler, event.schema_name, event.record)
-            except PlanRefused as exc:
-                await self._refuse(event, exc, ctx)
-                continue
-            except Exception as exc:  # a fault in the fold: this input is a dead letter (PROCESS), the log goes on
-                await ctx.failed(self.name, event, exc)
-                continue
-            for decision in decisions:
-                await self._emit(fold, decision, ctx)
-            if fold.sent is not None and fold.next_offset >= fold.sent_until:
-                fold.sent = None  # past what a dead worker could have decided: every decision from here is new
-                log.info("plans scheduler of %s[%d] caught up with the log as of its recovery: %d records of decisions "
-                         "made again were on the broker already and were not sent again", source.topic,
-                         source.partition, fold.skipped)  # fmt: skip
+                await self._process_one(event, ctx)
+            except BaseException:
+                # A recovery or a send failed part-way: the fold may be ahead of what was sent. Drop it, so the next
+                # record (the worker's retry of this batch, one event at a time, or a restart) recovers afresh.
+                self.folds.pop(event.source.partition, None)
+                raise
+
+    async def _process_one(self, event: InputEvent, ctx: ProcessingContext) -> None:
+        source = event.source
+        fold = self.folds.get(source.partition)
+        if fold is None or source.offset > fold.next_offset:
+            fold = await self._recover(source, fold, ctx)
+        if source.offset < fold.next_offset:
+            return  # folded here already (handed out again after a rebalance)
+        fold.next_offset = source.offset + 1
+        try:
+            decisions = fold_input(fold.scheduler, event.schema_name, event.record)
+        except PlanRefused as exc:
+            await self._refuse(event, exc, ctx)
+            return
+        except Exception as exc:  # a fault in the fold: this input is a dead letter (PROCESS), the log goes on
+            await ctx.failed(self.name, event, exc)
+            return
+        for decision in decisions:
+            await self._emit(fold, decision, ctx)
+        if fold.sent is not None and fold.next_offset >= fold.sent_until:
+            fold.sent = None  # past what a dead worker could have decided: every decision from here is new
+            log.info("plans scheduler of %s[%d] caught up with the log as of its recovery: %d records of decisions "
+                     "made again were on the broker already and were not sent again", source.topic, source.partition,
+                     fold.skipped)  # fmt: skip
 
     async def _emit(self, fold: PartitionFold, decision: Decision, ctx: ProcessingContext) -> None:
         assert self.catalog is not None
@@ -180,6 +189,7 @@ class PlansProcessor:
         assert self.catalog is not None and self.settings is not None and self._intake is not None
         started = time.monotonic()
         servers = self.settings.kafka_bootstrap_servers
+        self.folds.pop(source.partition, None)  # back only once whole (a failure part-way leaves none)
         if fold is None:
             fold = PartitionFold(PlanScheduler(work_topic_prefix=self.work_topic_prefix), next_offset=0)
         first, folded = fold.next_offset, 0
