@@ -3,7 +3,8 @@ resource class with different capacities (tests.plan_executor, each its own proc
 
 A 50-node random DAG runs with injected failures (a retry that succeeds, a reroute to the fallback, an escalation that
 cancels what depends on it), the big executor is killed with -9 while it runs work (its attempts time out by their
-deadline and are retried on the small one), and the worker is killed with -9 mid-plan and replaced. The plan
+deadline and are retried on the small one), and the worker that schedules is killed with -9 mid-plan: replaced by a
+new one (`restart`), or taken over by a second worker of the group while a third joins (`failover`). The plan
 finishes; the decisions on plan_decisions are exactly those of the scheduler folding the plan_events log in one go
 (what a worker that was never killed decides), each sent once; each attempt is on its work topic once; no executor
 ever runs more than its capacity. Plans with a cycle, an unknown dependency or a resource class that cannot name a
@@ -49,6 +50,7 @@ from topics.names import (
     SUBGOAL_TIMED_OUT,
 )
 from topics.settings import Settings
+from treadle.devstack.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -206,31 +208,58 @@ def descendants(plan: dict[str, Any], root: str) -> set[str]:
     return found
 
 
-def test_a_fifty_node_plan_survives_failures_a_dead_executor_and_a_worker_kill_9(deployment, worker_factory, tmp_path):
+def last_took_the_log(worker: WorkerProcess) -> str:
+    """When the worker last took the plan_events partition over (its log line's timestamp; "" if never)."""
+    text = worker.log_tail(100_000)
+    lines = [line for line in text.splitlines() if "plans scheduler of" in line and " folded " in line]
+    return lines[-1][:25] if lines else ""
+
+
+def other_worker(deployment: Settings, tmp_path: Path, name: str, n: int) -> Settings:
+    """Another worker of the same group: its own home and web port, no sink (one is enough)."""
+    return deployment.model_copy(update={"home": tmp_path / name, "web_port": deployment.web_port + 200 + 2 * n,
+                                         "sink": "off"})  # fmt: skip
+
+
+@pytest.mark.parametrize("failover", [False, True], ids=["restart", "failover"])
+def test_a_fifty_node_plan_survives_failures_a_dead_executor_and_a_worker_kill_9(
+    deployment, worker_factory, tmp_path, failover
+):
+    """`restart`: the only worker is killed and a new one started. `failover`: of two workers, the one scheduling is
+    killed, the other takes the log over, and a third joins (another rebalance) while the plan runs."""
+    deployment = deployment.model_copy(update={"session_timeout_s": 6.0})  # partitions move 6 s after a death
     catalog = TopicCatalog(deployment)
     plan = random_plan(27)
-    worker = worker_factory().start()
+    workers = [worker_factory(deployment).start()]
+    if failover:
+        workers.append(worker_factory(other_worker(deployment, tmp_path, "b", 0)).start())
     executors = {name: Executor(deployment, (name, cap), tmp_path / f"{name}.jsonl") for name, cap in (BIG, SMALL)}
     try:
-        worker.wait_ready()
+        for worker in workers:
+            worker.wait_ready()
         for executor in executors.values():  # an executor new to its group reads its work topic from the end
             wait_for(executor.ready, 60, f"{executor.log_path.stem} to start", explain=executor.explain)
         asyncio.run(submit(deployment, [*bad_plans(), plan]))
 
         # The big executor dies (-9) while it runs an attempt: that attempt is timed out and retried on the small one.
         big, small = executors[BIG[0]], executors[SMALL[0]]
-        states = lambda: f"{big.explain()}\n{small.explain()}\n{worker.log_tail(30)}"  # noqa: E731
+        states = lambda: f"{big.explain()}\n{small.explain()}\n{workers[0].log_tail(30)}"  # noqa: E731
         killed_busy = wait_for(big.busy, 120, "the big executor running an attempt", interval=0.05, explain=states)
         big.kill()
 
-        # The worker dies (-9) mid-plan and another takes its place.
+        # The worker that schedules dies (-9) mid-plan; another takes its place.
         def succeeded() -> int:
             return sum(1 for line in small.lines() if line["event"] == "end" and not line["failed"])
 
         wait_for(lambda: succeeded() >= 15, 180, "15 subgoals done on the small executor", explain=small.explain)
-        worker.kill()
+        scheduling = max(workers, key=last_took_the_log)  # with two, a join may have moved the log already
+        scheduling.kill()
         done_at_kill = succeeded()
-        worker_factory().start().wait_ready()
+        if failover:
+            wait_for(lambda: succeeded() >= done_at_kill + 5, 180, "5 more subgoals done after the failover")
+            worker_factory(other_worker(deployment, tmp_path, "c", 1)).start().wait_ready()
+        else:
+            worker_factory(deployment).start().wait_ready()
 
         def finished() -> list[dict[str, Any]]:
             return [r for s, r in records(deployment, catalog["plan_decisions"].name) if s == PLAN_FINISHED]
