@@ -8,6 +8,7 @@ plan_decisions and on the work topics are read back so those decisions are not s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -15,6 +16,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from topics.codec import AvroCodec
 from topics.compacted import partition_ids
+
+log = logging.getLogger(__name__)
 
 CLOCK_SKEW_MS = 5 * 60 * 1000  # producers' clocks may disagree this much: read back from that much earlier
 
@@ -31,6 +34,10 @@ async def read_partition(
     try:
         consumer.assign([tp])
         first = (await consumer.beginning_offsets([tp]))[tp]
+        if first > start:
+            log.warning("%s[%d] starts at offset %d: records %d..%d were deleted (retention) before the plans "
+                        "scheduler could refold them, so the plans and capacity they held are unknown to it; keep "
+                        "plan_events longer than any plan runs", topic, partition, first, start, first - 1)  # fmt: skip
         consumer.seek(tp, max(start, first))
         position = max(start, first)
         while position < stop:
