@@ -62,7 +62,7 @@ CAPACITY = dict([BIG, SMALL])
 RETRIED, REROUTED, ESCALATED = "n05", "n09", "n44"  # the subgoals whose handler fails on purpose
 # Longer than the worker is away (kill -9, the group's session timeout, a new worker's start): what a worker releases
 # while it catches up on the log is stamped with the log's (older) event time, and its deadline runs from there.
-DEADLINE_S = 60.0
+DEADLINE_S = 90.0
 
 
 @pytest.fixture
