@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -31,8 +32,9 @@ class TopicState:
     partitions: int
 
 
-async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[TopicState]:
-    """Create missing topics and verify existing ones; returns what was found or made."""
+async def ensure_topics(catalog: TopicCatalog | Sequence[TopicSpec], bootstrap_servers: str) -> list[TopicState]:
+    """Create missing topics and verify existing ones (the catalog's, or topics made on demand such as work topics);
+    returns what was found or made."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="treadle-admin")
     await admin.start()
     try:
@@ -65,7 +67,7 @@ async def ensure_topics(catalog: TopicCatalog, bootstrap_servers: str) -> list[T
 
 
 async def _await_metadata(
-    admin: AIOKafkaAdminClient, catalog: TopicCatalog, created: list[str], timeout: float = 15.0
+    admin: AIOKafkaAdminClient, catalog: TopicCatalog | Sequence[TopicSpec], created: list[str], timeout: float = 15.0
 ) -> dict[str, int]:
     """Partition counts once every new partition has a leader.
 
