@@ -21,6 +21,7 @@ from topics.names import (
     LIFECYCLE,
     PLAN_FINISHED,
     PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
     REWARD,
     SCHEDULER_ADVICE,
     STATE_DELTA,
@@ -613,6 +614,11 @@ def _scheduler_advice(kind: str, record: Mapping[str, Any]) -> list[tuple[str, R
     return [("scheduler_advice", row)]
 
 
+def _release_delivered(kind: str, record: Mapping[str, Any]) -> list[tuple[str, Row]]:
+    """No table: the marker only times the scheduler's deadline; the release itself is in plan_decisions."""
+    return []
+
+
 # Record schema -> mapper, for the topics that carry several schemas (rows_for's `schema_name`).
 PLAN_ROWS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]]] = {
     PLAN_SUBMITTED: _plan_submitted,
@@ -625,4 +631,5 @@ PLAN_ROWS: Mapping[str, Callable[[str, Mapping[str, Any]], list[tuple[str, Row]]
     SUBGOAL_ESCALATED: _subgoal_escalated,
     PLAN_FINISHED: _plan_finished,
     SCHEDULER_ADVICE: _scheduler_advice,
+    RELEASE_DELIVERED: _release_delivered,
 }

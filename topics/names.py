@@ -30,6 +30,7 @@ PLAN_SUBMITTED = "treadle.events.PlanSubmitted"
 SUBGOAL_STATUS = "treadle.events.SubgoalStatus"
 EXECUTOR_HEARTBEAT = "treadle.events.ExecutorHeartbeat"
 SCHEDULER_ADVICE = "treadle.events.SchedulerAdvice"  # written by the plan_diagnosis evaluator, read back
+RELEASE_DELIVERED = "treadle.events.ReleaseDelivered"  # written by the plans processor: a release went out
 SUBGOAL_RELEASED = "treadle.derived.SubgoalReleased"
 SUBGOAL_RETRIED = "treadle.derived.SubgoalRetried"
 SUBGOAL_REROUTED = "treadle.derived.SubgoalRerouted"
@@ -39,7 +40,7 @@ PLAN_FINISHED = "treadle.derived.PlanFinished"
 
 # The plans scheduler's input is one ordered log (the plan_events topic, all three schemas, one key): capacity is
 # shared by every plan, and its decisions must be a function of the log, so the log must have one order.
-PLAN_INPUT_SCHEMAS = (PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT, SCHEDULER_ADVICE)
+PLAN_INPUT_SCHEMAS = (PLAN_SUBMITTED, SUBGOAL_STATUS, EXECUTOR_HEARTBEAT, SCHEDULER_ADVICE, RELEASE_DELIVERED)
 PLAN_DECISION_SCHEMAS = (
     SUBGOAL_RELEASED, SUBGOAL_RETRIED, SUBGOAL_REROUTED, SUBGOAL_TIMED_OUT, SUBGOAL_ESCALATED, PLAN_FINISHED,
 )  # fmt: skip

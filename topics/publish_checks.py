@@ -17,11 +17,12 @@ from fastavro.validation import validate
 
 from topics.catalog import TopicCatalog, TopicRole
 from topics.codec import AvroCodec
-from topics.names import REWARD, SCHEDULER_ADVICE
+from topics.names import RELEASE_DELIVERED, REWARD, SCHEDULER_ADVICE
 from topics.output_size import OutputTooLargeError
 from topics.validation import InputValidator
 
-READ_BACK = frozenset({REWARD, SCHEDULER_ADVICE})  # published records the worker reads back as input (validated so)
+# published records the worker reads back as input (validated so)
+READ_BACK = frozenset({REWARD, SCHEDULER_ADVICE, RELEASE_DELIVERED})
 
 
 class PublishError(ValueError):
@@ -61,10 +62,11 @@ def encode_problem(codec: AvroCodec, schema_name: str, record: Any, exc: Excepti
 def publishable_topics(catalog: TopicCatalog) -> dict[str, str]:
     """Schema -> topic of what a processor may publish: every output topic's record, and RewardSignal, which the worker
     reads back as input (reward sources and credit assignment are processors whose output is input; plan_diagnosis
-    writes SchedulerAdvice to plan_events)."""
+    writes SchedulerAdvice and the plans processor ReleaseDelivered to plan_events)."""
     outputs = {schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) for schema in spec.schemas}
     outputs[REWARD] = catalog.for_schema(REWARD).name
     outputs[SCHEDULER_ADVICE] = catalog.for_schema(SCHEDULER_ADVICE).name  # plan_diagnosis advises the scheduler
+    outputs[RELEASE_DELIVERED] = catalog.for_schema(RELEASE_DELIVERED).name  # the plans processor marks a release sent
     return outputs
 
 

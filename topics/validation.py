@@ -23,6 +23,7 @@ from topics.names import (
     LLM_CALL,
     PLAN_EVENTS_KEY,
     PLAN_INPUT_SCHEMAS,
+    RELEASE_DELIVERED,
     REWARD,
     SCHEDULER_ADVICE,
     STATE_DELTA,
@@ -97,6 +98,12 @@ def _plan_event_problem(schema_name: str, record: dict[str, Any], key: bytes | N
         if record["valid_until"] < record["advised_at"]:
             return "valid_until is before advised_at"
         return event_time_problem(record["advised_at"])
+    if schema_name == RELEASE_DELIVERED:
+        if not record["decision_id"] or not record["session_id"] or not record["plan_id"] or not record["subgoal_id"]:
+            return "decision_id, session_id, plan_id and subgoal_id must not be empty"
+        if record["attempt"] < 1:
+            return f"attempt must be >= 1, got {record['attempt']}"
+        return event_time_problem(record["sent_at"])
     env = record["envelope"]
     for name in _REQUIRED_ENVELOPE:
         if not env.get(name):

@@ -29,6 +29,7 @@ from topics.names import (
     EXECUTOR_HEARTBEAT,
     PLAN_FINISHED,
     PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
     SCHEDULER_ADVICE,
     SUBGOAL_ESCALATED,
     SUBGOAL_RELEASED,
@@ -106,6 +107,7 @@ class _Node:
     tries: int = 0  # failed attempts of the current phase (the subgoal itself, then its fallback)
     on_fallback: bool = False
     last_seen: int = 0  # event time of the attempt's last sign of life
+    armed: bool = False  # whether the current attempt's deadline runs (its release delivered, or a sign of life)
     executor_id: str | None = None
     error_class: str = ""
     ready_at: int = 0  # event time it last became ready (the aging rule)
@@ -226,6 +228,12 @@ class PlanScheduler:
     stop passing it; `finished_retention_s` and `finished_limit`, how long (and how many) finished plans are remembered
     to recognise a redelivered submission; `executor_forget_s`, how long after its advertisement expired an executor
     (and the holds of timed-out attempts on it) is forgotten.
+
+    `delivery_markers`: a released attempt's deadline starts at its ReleaseDelivered marker (the plans processor
+    appends one to the log when it sends the release) or its first sign of life, not at the release. A worker
+    catching up on a backlog releases at the backlog's older event time; the rest of the backlog (heartbeats written
+    meanwhile) must not time the attempt out before it went out. Off, release and delivery are one moment (a fold
+    driven directly, as in tests and benchmarks).
     """
 
     def __init__(
@@ -236,8 +244,10 @@ class PlanScheduler:
         finished_retention_s: float = 3600.0,
         finished_limit: int = 100_000,
         executor_forget_s: float = 600.0,
+        delivery_markers: bool = False,
     ) -> None:
         self.work_topic_prefix = work_topic_prefix
+        self.delivery_markers = delivery_markers
         self.now = 0
         self._aging_us = round(aging_s * MICROS) if math.isfinite(aging_s) else _NEVER
         self._retention_us = round(finished_retention_s * MICROS)
@@ -275,6 +285,8 @@ class PlanScheduler:
             return self.heartbeat(record)
         if schema_name == SCHEDULER_ADVICE:
             return self.advise(record)
+        if schema_name == RELEASE_DELIVERED:
+            return self.delivered(record)
         raise ValueError(f"the plans scheduler does not take {schema_name}")
 
     def tick(self, now: int) -> list[Decision]:
@@ -323,9 +335,7 @@ class PlanScheduler:
         elif attempt == node.attempt and node.state in LIVE:
             if state in ("RUNNING", "HEARTBEAT"):
                 node.state = NodeState.RUNNING
-                if at > node.last_seen:
-                    node.last_seen = at
-                    self._set_timer(node, "deadline", at + node.deadline_us)
+                self._sign_of_life(node, at)
             elif state == "SUCCEEDED":
                 self._succeed(node, out)
             elif state == "FAILED":
@@ -377,6 +387,26 @@ class PlanScheduler:
             self._forget_at = min(self._forget_at, expires_at + self._forget_us)
         self._release(out)
         return out
+
+    def delivered(self, record: dict[str, Any]) -> list[Decision]:
+        """A ReleaseDelivered marker: the processor sent the attempt's release at `sent_at`, so (with
+        `delivery_markers`) its deadline runs from then. One for an attempt no longer current, or a repeat, changes
+        nothing (a marker later than the last sign of life pushes the deadline back, as a sign of life would)."""
+        at = int(record["sent_at"])
+        out = self._advance(at)
+        plan = self._plans.get((record["session_id"], record["plan_id"]))
+        node = plan.nodes.get(record["subgoal_id"]) if plan is not None else None
+        if node is not None and record["attempt"] == node.attempt and node.state in LIVE:
+            self._sign_of_life(node, at)
+        self._release(out)
+        return out
+
+    def _sign_of_life(self, node: _Node, at: int) -> None:
+        """The current attempt was delivered or is running at `at`: its deadline runs from its latest sign."""
+        if at > node.last_seen or not node.armed:
+            node.last_seen = max(node.last_seen, at)
+            node.armed = True
+            self._set_timer(node, "deadline", node.last_seen + node.deadline_us)
 
     def advise(self, record: dict[str, Any]) -> list[Decision]:
         """Self-diagnosis advice (SchedulerAdvice, SKIP_RETRIES): until `valid_until`, a subgoal running this tool and
@@ -655,7 +685,9 @@ class PlanScheduler:
         node.last_seen = self.now
         node.plan.released += 1
         self._hold(node)
-        self._set_timer(node, "deadline", self.now + node.deadline_us)
+        node.armed = not self.delivery_markers  # else the deadline waits for the marker (or a sign of life)
+        if node.armed:
+            self._set_timer(node, "deadline", self.now + node.deadline_us)
         work = node.work
         out.append(self._decision(node, SUBGOAL_RELEASED, "released", {
             "attempt": node.attempt, "resource_class": node.resource_class,

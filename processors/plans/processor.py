@@ -11,6 +11,12 @@ Time is event time from the log: heartbeats, statuses and plans move the schedul
 log that stays silent (no live executor heartbeats), since a tick from the wall clock would make decisions depend on
 when the worker ran; executors heartbeat every few seconds, so a live deployment's clock keeps moving.
 
+Deadlines run from delivery. Right after sending a release the processor appends a ReleaseDelivered marker (the
+send time) to plan_events, and the scheduler (delivery_markers=True) starts the attempt's deadline when it folds the
+marker. A worker back from an outage releases what its backlog makes ready at that backlog's older event time; the
+heartbeats further on in the backlog would time such an attempt out before it even went out, but its marker lands
+after them. After a recovery, a release re-made whose marker a dead worker did not write gets it (once).
+
 Crash safety. The fold lives in memory. When a worker first sees the partition, or sees it again past a gap (kill
 -9, restart, rebalance), it folds the log from the start (or from where it stopped) up to the first record it is
 handed, sending nothing (processors.plans.recovery), then goes on live. Decisions a dead worker made after its last
@@ -37,7 +43,14 @@ from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog, work_topic_spec
 from topics.codec import AvroCodec, DeadLetterStage
 from topics.intake import Accepted, Intake, SourceMessage
-from topics.names import DEAD_LETTER, PLAN_INPUT_SCHEMAS, PLAN_SUBMITTED, SUBGOAL_RELEASED
+from topics.names import (
+    DEAD_LETTER,
+    PLAN_EVENTS_KEY,
+    PLAN_INPUT_SCHEMAS,
+    PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
+    SUBGOAL_RELEASED,
+)
 from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
 from topics.validation import InputValidator
@@ -57,6 +70,7 @@ class PartitionFold:
     # After a recovery: decision ids already on each output topic (not sent again), until the log passes `sent_until`
     sent: dict[str, set[str]] | None = None
     sent_until: int = 0
+    marked: set[str] | None = None  # after a recovery: releases whose ReleaseDelivered marker is on the log already
     skipped: int = 0  # re-made decisions found on the broker already since the last recovery
 
     def already_sent(self, topic: str, decision_id: str) -> bool:
@@ -144,7 +158,7 @@ class PlansProcessor:
         for decision in decisions:
             await self._emit(fold, decision, ctx)
         if fold.sent is not None and fold.next_offset >= fold.sent_until:
-            fold.sent = None  # past what a dead worker could have decided: every decision from here is new
+            fold.sent = fold.marked = None  # past what a dead worker could have decided: every decision is new
             log.info("plans scheduler of %s[%d] caught up with the log as of its recovery: %d records of decisions "
                      "made again were on the broker already and were not sent again", source.topic, source.partition,
                      fold.skipped)  # fmt: skip
@@ -158,8 +172,18 @@ class PlansProcessor:
             if not fold.already_sent(topic, record["decision_id"]):
                 value = ctx.codec.encode(SUBGOAL_RELEASED, record)
                 await ctx.send(topic, key, value, key_hash(key) % partitions)
+            if fold.marked is None or record["decision_id"] not in fold.marked:
+                await self._mark_delivered(record, ctx)
         if not fold.already_sent(self.catalog["plan_decisions"].name, record["decision_id"]):
             await ctx.publish(decision.schema, record, key=key)
+
+    @staticmethod
+    async def _mark_delivered(release: dict[str, Any], ctx: ProcessingContext) -> None:
+        """Append the release's ReleaseDelivered marker to plan_events: the attempt's deadline starts when it folds,
+        at the time the work went out, not at the release's event time (older while a backlog is caught up on)."""
+        marker = {name: release[name] for name in ("decision_id", "session_id", "plan_id", "subgoal_id", "attempt")}
+        marker["sent_at"] = time.time_ns() // 1000  # after the work's send: never before the work record's timestamp
+        await ctx.publish(RELEASE_DELIVERED, marker, key=PLAN_EVENTS_KEY.encode())
 
     async def _work_topic(self, resource_class: str) -> int:
         """The partition count of the class's work topic, made if missing (cached once seen)."""
@@ -191,7 +215,9 @@ class PlansProcessor:
         servers = self.settings.kafka_bootstrap_servers
         self.folds.pop(source.partition, None)  # back only once whole (a failure part-way leaves none)
         if fold is None:
-            fold = PartitionFold(PlanScheduler(work_topic_prefix=self.work_topic_prefix), next_offset=0)
+            fold = PartitionFold(
+                PlanScheduler(work_topic_prefix=self.work_topic_prefix, delivery_markers=True), next_offset=0
+            )
         first, folded = fold.next_offset, 0
         async for message in recovery.read_partition(servers, source.topic, source.partition, first, source.offset):
             read = self._intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
@@ -206,9 +232,13 @@ class PlansProcessor:
         outputs = [self.catalog["plan_decisions"].name, *work]
         fold.sent = await recovery.sent_decision_ids(servers, outputs, source.timestamp_ms, ctx.codec)
         fold.sent_until = await recovery.end_offset(servers, source.topic, source.partition)
+        # a release re-made below whose marker a dead worker did not write gets it now (once); one with it, not again
+        fold.marked = await recovery.marked_releases(
+            servers, source.topic, source.partition, source.offset, fold.sent_until, ctx.codec
+        )
         log.info("plans scheduler of %s[%d]: folded %d input records (offsets %d..%d) in %.1f s; %d decisions already "
-                 "sent since the first record to redo are not sent again", source.topic, source.partition, folded,
-                 first, source.offset - 1, time.monotonic() - started,
-                 sum(len(ids) for ids in fold.sent.values()))  # fmt: skip
+                 "sent since the first record to redo are not sent again (%d releases marked delivered already)",
+                 source.topic, source.partition, folded, first, source.offset - 1, time.monotonic() - started,
+                 sum(len(ids) for ids in fold.sent.values()), len(fold.marked))  # fmt: skip
         self.folds[source.partition] = fold
         return fold

@@ -16,6 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from topics.codec import AvroCodec
 from topics.compacted import partition_ids
+from topics.names import RELEASE_DELIVERED
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,21 @@ async def read_partition(
                 position = max(position, await consumer.position(tp))  # past a transaction marker or a gap
     finally:
         await consumer.stop()
+
+
+async def marked_releases(
+    bootstrap_servers: str, topic: str, partition: int, start: int, stop: int, codec: AvroCodec
+) -> set[str]:
+    """The decision_id of every ReleaseDelivered marker on `topic[partition]` at offsets [start, stop)."""
+    found: set[str] = set()
+    async for message in read_partition(bootstrap_servers, topic, partition, start, stop):
+        try:
+            schema_name, record = codec.decode(message.value or b"")
+        except Exception:  # an unreadable record: the intake dead-letters it; it marks nothing
+            continue
+        if schema_name == RELEASE_DELIVERED:
+            found.add(record["decision_id"])
+    return found
 
 
 async def topic_names(bootstrap_servers: str) -> list[str]:

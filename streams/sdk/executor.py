@@ -412,7 +412,7 @@ class Executor:
             batches = await self._consumer.getmany(timeout_ms=500)
             for messages in batches.values():
                 for message in messages:
-                    await self._take(message.value)
+                    await self._take(message.value, message.timestamp)
             if batches:
                 try:
                     await self._consumer.commit()
@@ -420,11 +420,13 @@ class Executor:
                     log.warning("executor %s could not commit its work offsets (%r); going on", self.executor_id, exc)
             await self._start_ready()
 
-    async def _take(self, value: bytes | None) -> None:
-        """One record of the work topic: accept it if it is this executor's and new."""
+    async def _take(self, value: bytes | None, timestamp_ms: int | None = None) -> None:
+        """One record of the work topic (written at `timestamp_ms`): accept it if it is this executor's and new."""
         try:
             _, record = self._codec.decode(value or b"", expect=SUBGOAL_RELEASED)
             work = SubgoalWork.from_record(record)
+            if timestamp_ms is not None and timestamp_ms > 0:
+                work = work.model_copy(update={"sent_at": timestamp_ms * 1000})
         except Exception as exc:  # another writer's bad record: nothing to run, nothing to report to
             log.warning("executor %s skipped an unreadable record on %s: %s", self.executor_id, self.work_topic, exc)
             return

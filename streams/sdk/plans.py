@@ -124,6 +124,7 @@ class SubgoalWork(BaseModel):
     deadline_s: float
     fallback: bool = False
     released_at: int  # scheduler event time, UTC micros
+    sent_at: int = 0  # when the release was written to the work topic (its record's timestamp), UTC micros; 0: unknown
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> SubgoalWork:
@@ -138,8 +139,10 @@ class SubgoalWork(BaseModel):
 
     @property
     def expires_at(self) -> int:
-        """UTC micros at which the scheduler times the attempt out if nothing was heard of it since its release."""
-        return self.released_at + round(self.deadline_s * MICROS)
+        """UTC micros at which the scheduler times the attempt out if nothing was heard of it since it was sent: its
+        deadline runs from its ReleaseDelivered marker, written right after the release was sent (a release made
+        while the scheduler caught up on a backlog carries an older `released_at`)."""
+        return max(self.released_at, self.sent_at) + round(self.deadline_s * MICROS)
 
 
 def _params_json(params: dict[str, Any]) -> str:

@@ -9,6 +9,10 @@ finishes; the decisions on plan_decisions are exactly those of the scheduler fol
 (what a worker that was never killed decides), each sent once; each attempt is on its work topic once; no executor
 ever runs more than its capacity. Plans with a cycle, an unknown dependency or a resource class that cannot name a
 topic are dead letters (stage VALIDATE) with the reason.
+
+An outage longer than the deadline: the worker is killed while an executor runs work and comes back after more than
+`deadline_s` while the executor heartbeats on; what it releases while catching up on that backlog is not timed out
+by it (the deadline runs from the release's ReleaseDelivered marker, appended when the work goes out).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from topics.names import (
     PLAN_EVENTS_KEY,
     PLAN_FINISHED,
     PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
     SUBGOAL_ESCALATED,
     SUBGOAL_RELEASED,
     SUBGOAL_REROUTED,
@@ -79,11 +84,12 @@ def envelope(logical: str, session: str = SESSION) -> dict[str, Any]:
 
 
 def subgoal(sid: str, deps: list[str], params: dict[str, Any], profile: tuple[int, int, int], *,
-            fallback: dict[str, Any] | None = None, cls: str = "gpu") -> dict[str, Any]:  # fmt: skip
+            fallback: dict[str, Any] | None = None, cls: str = "gpu", deadline_s: float = DEADLINE_S,
+            ) -> dict[str, Any]:  # fmt: skip
     return {
         "subgoal_id": sid, "tool": f"tool_{sid}", "agent": None, "params_json": json.dumps(params),
         "resource_class": cls, "profile": {"gpu_memory_mb": profile[0], "gpus": profile[1], "cpu": profile[2]},
-        "deadline_s": DEADLINE_S, "retry": {"max_attempts": 2, "backoff_s": 0.2, "backoff_multiplier": 2.0},
+        "deadline_s": deadline_s, "retry": {"max_attempts": 2, "backoff_s": 0.2, "backoff_multiplier": 2.0},
         "fallback": fallback, "depends_on": deps,
     }  # fmt: skip
 
@@ -183,9 +189,13 @@ class Executor:
             self.proc.wait(10)
 
 
-def fold_log(events: list[tuple[str, dict[str, Any]]], prefix: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """What one scheduler folding the whole log decides (a worker never killed), and the plans it refuses."""
-    scheduler, decided, refused = PlanScheduler(work_topic_prefix=f"{prefix}.work"), [], []
+def fold_log(
+    events: list[tuple[str, dict[str, Any]]], prefix: str, markers: bool = True
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """What one scheduler folding the whole log decides (a worker never killed), and the plans it refuses; without
+    `markers`, as a scheduler would that started each deadline at the release (the log's markers left out)."""
+    scheduler, decided, refused = PlanScheduler(work_topic_prefix=f"{prefix}.work", delivery_markers=markers), [], []
+    events = events if markers else [(schema, record) for schema, record in events if schema != RELEASE_DELIVERED]
     for schema, record in events:
         try:
             decided += [(d.schema, d.record) for d in fold_input(scheduler, schema, record)]
@@ -325,3 +335,66 @@ def test_a_fifty_node_plan_survives_failures_a_dead_executor_and_a_worker_kill_9
     assert any("dependency cycle: a -> b -> a" in r or "dependency cycle: b -> a -> b" in r for r in reasons)
     assert any("depends on unknown subgoal 'ghost'" in r for r in reasons)
     assert any("'gpu a100' cannot name a work topic" in r for r in reasons)
+
+
+OUTAGE_DEADLINE_S = 4.0
+
+
+def test_a_worker_back_after_an_outage_longer_than_the_deadline_times_nothing_out(deployment, worker_factory, tmp_path):
+    """A chain of subgoals with 4 s deadlines. The scheduling worker is killed with -9 while a subgoal runs; that one
+    succeeds during the outage and the executor heartbeats on. A new worker starts more than the deadline later and
+    catches up on that backlog, releasing the next subgoal at the backlog's event time: nothing is timed out, each
+    subgoal is released once and the plan succeeds, as without the outage. The same log folded with deadlines from
+    the releases (the markers left out) does time an attempt out: the outage reproduced the gap."""
+    catalog = TopicCatalog(deployment)
+    chain = [f"c{i}" for i in range(6)]
+    subgoals = [subgoal(sid, chain[i - 1 : i], {"seconds": 1.5}, (4_000, 0, 1), deadline_s=OUTAGE_DEADLINE_S)
+                for i, sid in enumerate(chain)]  # fmt: skip
+    plan = {"envelope": envelope("plan-outage"), "plan_id": "plan-outage", "goal": "a chain", "subgoals": subgoals}
+    worker = worker_factory(deployment).start()
+    executor = Executor(deployment, SMALL, tmp_path / "exec-small.jsonl")
+    try:
+        worker.wait_ready()
+        wait_for(executor.ready, 60, "the executor to start", explain=executor.explain)
+        asyncio.run(submit(deployment, [plan]))
+
+        def running(sid: str) -> bool:
+            lines = executor.lines()
+            started = any(line["event"] == "start" and line["key"].split("/")[2] == sid for line in lines)
+            return started and not any(line["event"] == "end" and line["key"].split("/")[2] == sid for line in lines)
+
+        wait_for(lambda: running("c2"), 120, "c2 running", interval=0.05, explain=executor.explain)
+        worker.kill()  # c2 ends during the outage; its SUCCEEDED and the heartbeats after it wait in the log
+        time.sleep(3 * OUTAGE_DEADLINE_S)
+        worker_factory(deployment).start().wait_ready()
+
+        def finished() -> list[dict[str, Any]]:
+            return [r for s, r in records(deployment, catalog["plan_decisions"].name) if s == PLAN_FINISHED]
+
+        wait_for(finished, 240, "the plan to finish", interval=1.0, explain=executor.explain)
+    finally:
+        executor.kill()
+
+    log = records(deployment, catalog["plan_events"].name)
+    expected, _ = fold_log(log, deployment.topic_prefix)
+    sent = records(deployment, catalog["plan_decisions"].name)
+    ids = Counter(r["decision_id"] for _, r in sent)
+    assert [i for i, n in ids.items() if n > 1] == []
+    assert sorted(sent, key=lambda d: d[1]["decision_id"]) == sorted(expected, key=lambda d: d[1]["decision_id"])
+
+    # As without the outage: each subgoal released once (attempt 1), nothing timed out or retried, the plan succeeded.
+    kinds = Counter(schema for schema, _ in expected)
+    assert (kinds[SUBGOAL_TIMED_OUT], kinds[SUBGOAL_RETRIED]) == (0, 0), kinds
+    released = [r for s, r in expected if s == SUBGOAL_RELEASED]
+    assert sorted((r["subgoal_id"], r["attempt"]) for r in released) == [(sid, 1) for sid in chain]
+    (done,) = [r for s, r in expected if s == PLAN_FINISHED]
+    assert (done["outcome"], done["succeeded"], done["attempts"]) == ("SUCCEEDED", chain, len(chain))
+    # every release's marker is on the log once (a release re-made after the kill gets its marker once too)
+    marks = Counter(r["decision_id"] for s, r in log if s == RELEASE_DELIVERED)
+    assert marks == Counter(r["decision_id"] for r in released)
+
+    # The gap the markers close: from the releases' event time, the backlog's heartbeats time an attempt out.
+    without, _ = fold_log(log, deployment.topic_prefix, markers=False)
+    timed_out = [r["subgoal_id"] for s, r in without if s == SUBGOAL_TIMED_OUT]
+    print(f"{len(log)} plan events; folded with deadlines from the releases, {timed_out} would have timed out")
+    assert timed_out, "the outage did not leave a release behind the backlog's clock: the test reproduced nothing"

@@ -16,6 +16,7 @@ from topics.names import (
     EXECUTOR_HEARTBEAT,
     PLAN_FINISHED,
     PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
     SUBGOAL_ESCALATED,
     SUBGOAL_RELEASED,
     SUBGOAL_REROUTED,
@@ -76,6 +77,12 @@ def heartbeat(executor: str, t: float, cls: str = "cpu", gpu_mb: int = 0, gpus: 
         "executor_id": executor, "resource_class": cls, "free_gpu_memory_mb": gpu_mb, "free_gpus": gpus,
         "free_cpu": cpu, "running": list(running), "valid_for_s": valid_for_s, "host": "h", "sent_at": at(t),
     }  # fmt: skip
+
+
+def marker(plan_id: str, sid: str, attempt: int, t: float, session: str = SESSION) -> dict[str, Any]:
+    """The ReleaseDelivered the plans processor appends once it sent a release."""
+    return {"decision_id": f"{session}/{plan_id}/{sid}/{attempt}/released", "session_id": session,
+            "plan_id": plan_id, "subgoal_id": sid, "attempt": attempt, "sent_at": at(t)}  # fmt: skip
 
 
 def kinds(decisions: list[Decision]) -> list[tuple[str, str]]:
@@ -220,6 +227,38 @@ def test_an_attempt_without_a_sign_of_life_past_its_deadline_is_timed_out_and_re
     assert s.apply(SUBGOAL_STATUS, status("p", "a", 2, "RUNNING", 25)) == []
     assert s.apply(SUBGOAL_STATUS, status("p", "a", 1, "HEARTBEAT", 25)) == []  # the stalled attempt woke up: too late
     assert kinds(s.apply(SUBGOAL_STATUS, status("p", "a", 2, "SUCCEEDED", 26))) == [("finished", "")]
+
+
+def test_with_delivery_markers_a_deadline_runs_from_the_marker_not_the_release() -> None:
+    """A worker catching up on a backlog releases at the backlog's old event time; heartbeats written during its
+    outage (later in the log) must not time the attempt out before the release went out (its marker)."""
+    s = PlanScheduler(delivery_markers=True)
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    out = s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=4, attempts=2)]))
+    assert kinds(out) == [("released", "a")] and out[0].record["released_at"] == at(0)
+    for t in range(1, 21):  # the backlog: the executor heartbeated all along, the release had not gone out
+        assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", t)) == []
+    assert s.apply(RELEASE_DELIVERED, marker("p", "a", 1, 20)) == []  # sent at 20: the deadline is 24
+    assert s.apply(RELEASE_DELIVERED, marker("p", "a", 1, 20)) == []  # a repeat changes nothing
+    assert s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 23.9)) == []
+    out = encodable(s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 24)))
+    assert kinds(out) == [("timed_out", "a"), ("retried", "a"), ("released", "a")]
+    assert out[0].record["last_seen_at"] == at(20)
+    assert s.apply(RELEASE_DELIVERED, marker("p", "a", 1, 25)) == []  # not the current attempt: nothing
+    assert s.apply(SUBGOAL_STATUS, status("p", "a", 2, "RUNNING", 25)) == []  # a sign of life arms it too
+    assert s.tick(at(28.9)) == []
+    assert s.apply(RELEASE_DELIVERED, marker("p", "a", 2, 26)) == []  # a later marker pushes the deadline to 30
+    assert s.tick(at(29.9)) == []
+    assert kinds(s.tick(at(30))) == [("timed_out", "a"), ("escalated", "a"), ("finished", "")]
+
+
+def test_without_delivery_markers_the_same_backlog_times_the_attempt_out() -> None:
+    s = PlanScheduler()
+    s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 0))
+    s.apply(PLAN_SUBMITTED, plan("p", [subgoal("a", deadline_s=4, attempts=2)]))
+    out = s.apply(EXECUTOR_HEARTBEAT, heartbeat("cpu-1", 4))
+    assert kinds(out) == [("timed_out", "a"), ("retried", "a"), ("released", "a")]
+    assert s.apply(RELEASE_DELIVERED, marker("p", "a", 1, 5)) == []  # the marker of a replaced attempt: nothing
 
 
 def test_inputs_are_on_event_time_not_arrival_order_for_timers() -> None:
@@ -464,10 +503,16 @@ class Simulation:
     """Honest executors around a PlanScheduler, and the oracle that checks every decision as it comes."""
 
     def __init__(
-        self, executors: dict[str, tuple[str, Resources]], plans: list[dict[str, Any]], aging_s: float = 60.0
-    ) -> None:
-        self.scheduler = PlanScheduler(aging_s=aging_s)
+        self, executors: dict[str, tuple[str, Resources]], plans: list[dict[str, Any]], aging_s: float = 60.0,
+        markers: bool = False,
+    ) -> None:  # fmt: skip
+        self.scheduler = PlanScheduler(aging_s=aging_s, delivery_markers=markers)
         self.aging_s = aging_s
+        self.markers = markers
+        self.undelivered: list[tuple[str, str, int]] = []  # released, marker not written yet (markers only)
+        self.signs: dict[tuple[str, str, int], int] = {}  # an attempt's latest marker or RUNNING/HEARTBEAT
+        self.released_at: dict[tuple[str, str, int], int] = {}
+        self.deadline_us: dict[tuple[str, str, int], int] = {}
         self.executors = executors
         self.specs = {(p["plan_id"], s["subgoal_id"]): s for p in plans for s in p["subgoals"]}
         self.clock = 0.0
@@ -507,12 +552,21 @@ class Simulation:
             self.current[node] = r["attempt"]
             self.live.add(key)
             self.queued[key] = (r["executor_id"], Resources.of(r["profile"]))
-            self.start_by[key] = r["released_at"] + round(r["deadline_s"] * MICROS)
+            self.released_at[key], self.deadline_us[key] = r["released_at"], round(r["deadline_s"] * MICROS)
+            if self.markers:  # the work's send time is not known until its marker: the SDK waits for it
+                self.start_by[key] = 2**62
+                self.undelivered.append(key)
+            else:
+                self.start_by[key] = r["released_at"] + self.deadline_us[key]
+                self.signs[key] = r["released_at"]
             assert self.executors[r["executor_id"]][0] == r["resource_class"]
             self.check_capacity()
         elif d.schema == SUBGOAL_TIMED_OUT:
             key = (*node, r["attempt"])
             assert key in self.live
+            # never before deadline_s past its latest sign of life (with markers: its delivery, not its release)
+            assert key in self.signs, "timed out before its release was delivered or it showed a sign of life"
+            assert r["decided_at"] >= self.signs[key] + self.deadline_us[key]
             self.live.discard(key)
             self.timed_out.add(key)
             self.queued.pop(key, None)  # the SDK drops work past its deadline before starting it
@@ -545,7 +599,18 @@ class Simulation:
         if running:
             self.report(key, "RUNNING")
 
+    def deliver(self, key: tuple[str, str, int]) -> None:
+        """The processor's ReleaseDelivered for a release it sent (the clock now: sent while catching up, or late)."""
+        self.undelivered.remove(key)
+        sent_at = at(self.clock)
+        if key in self.live:
+            self.signs[key] = max(self.signs.get(key, 0), sent_at, self.released_at[key])
+        self.start_by[key] = max(self.released_at[key], sent_at) + self.deadline_us[key]
+        self.feed(RELEASE_DELIVERED, marker(key[0], key[1], key[2], self.clock))
+
     def report(self, key: tuple[str, str, int], state: str, error_class: str | None = None) -> None:
+        if state in ("RUNNING", "HEARTBEAT") and key in self.live:
+            self.signs[key] = max(self.signs.get(key, self.released_at[key]), at(self.clock))
         if state in ("SUCCEEDED", "FAILED"):
             for held in self.picked.values():
                 held.pop(key, None)
@@ -572,15 +637,19 @@ class Simulation:
 def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st.DataObject) -> None:
     executors, plans = scenario
     aging_s = data.draw(st.sampled_from([60.0, 2.0, 0.0]), label="aging_s")  # 0: every pass goes by age
-    sim = Simulation(executors, plans, aging_s)
+    markers = data.draw(st.booleans(), label="delivery_markers")
+    sim = Simulation(executors, plans, aging_s, markers)
     for executor in sorted(executors):
         sim.heartbeat(executor, 1e6)
     for p in plans:
         sim.feed(PLAN_SUBMITTED, plan(p["plan_id"], p["subgoals"], t=sim.clock))
     # a random stretch: stalls, failures, late and repeated reports, expiring advertisements
     for _ in range(data.draw(st.integers(0, 60), label="steps")):
-        action = data.draw(st.sampled_from(["tick", "heartbeat", "pick_up", "report", "repeat"]), label="action")
-        if action == "tick":
+        actions = ["tick", "heartbeat", "pick_up", "report", "repeat", "deliver"]
+        action = data.draw(st.sampled_from(actions), label="action")
+        if action == "deliver" and sim.undelivered:  # markers land late: the work went out after a catch-up
+            sim.deliver(data.draw(st.sampled_from(sim.undelivered), label="marker"))
+        elif action == "tick":
             sim.advance(data.draw(st.sampled_from([0.0, 0.5, 1.0, 3.0]), label="seconds"))
         elif action == "heartbeat":
             sim.heartbeat(data.draw(st.sampled_from(sorted(executors))), data.draw(st.sampled_from([2.0, 1e6])))
@@ -599,6 +668,8 @@ def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st
     for _ in range(400):
         if len(sim.finished) == len(plans):
             break
+        for key in list(sim.undelivered):
+            sim.deliver(key)
         for executor in sorted(executors):
             for key in sorted(sim.picked[executor]):
                 sim.report(key, "SUCCEEDED")
@@ -625,8 +696,8 @@ def test_random_dags_and_status_streams_keep_the_release_rule(scenario, data: st
     for kind in sorted({kind for kind, _ in kinds(sim.decisions)}):
         event(kind)
     # deterministic: the same log decides the same, and so does the log with every input twice
-    assert replay(sim.log, twice=False, aging_s=aging_s) == sim.decisions
-    assert replay(sim.log, twice=True, aging_s=aging_s) == sim.decisions
+    assert replay(sim.log, twice=False, aging_s=aging_s, markers=markers) == sim.decisions
+    assert replay(sim.log, twice=True, aging_s=aging_s, markers=markers) == sim.decisions
     # bounded memory: finished plans leave only their redelivery check, and that goes after the retention, as do
     # executors whose advertisement expired long ago (with their holds), stale ready entries and timers
     footprint = sim.scheduler.footprint()
@@ -645,8 +716,10 @@ def ancestors(specs: dict[tuple[str, str], dict[str, Any]], plan_id: str, sid: s
     return seen
 
 
-def replay(log: list[tuple[str | None, Any]], twice: bool, aging_s: float = 60.0) -> list[Decision]:
-    scheduler, decisions = PlanScheduler(aging_s=aging_s), []
+def replay(
+    log: list[tuple[str | None, Any]], twice: bool, aging_s: float = 60.0, markers: bool = False
+) -> list[Decision]:
+    scheduler, decisions = PlanScheduler(aging_s=aging_s, delivery_markers=markers), []
     for schema, record in log:
         for _ in range(2 if twice else 1):
             decisions += scheduler.tick(record) if schema is None else scheduler.apply(schema, record)
