@@ -123,8 +123,8 @@ _TOPICS: list[tuple[str, str | None, TopicRole, dict[str, str], str]] = [
         PLAN_INPUT_SCHEMAS[0],
         TopicRole.INPUT,
         _DELETE,
-        f"Plans submitted, subgoal statuses, executor heartbeats and self-diagnosis advice: the plans scheduler's "
-        f"one ordered log (key {PLAN_EVENTS_KEY!r}).",
+        f"Plans submitted, subgoal statuses, executor heartbeats, self-diagnosis advice and release-delivered markers: "
+        f"the plans scheduler's one ordered log (key {PLAN_EVENTS_KEY!r}).",
     ),
     (
         "plan_decisions",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from processors.plans.dag import PlanScheduler
-from tests.unit.test_plans_dag import CODEC, heartbeat, plan, status, subgoal
+from sinks.rows import rows_for
+from tests.unit.test_plans_dag import CODEC, heartbeat, marker, plan, status, subgoal
 from topics.catalog import TopicCatalog, TopicRole, topic_expectation
 from topics.codec import DeadLetterStage, DecodeError
 from topics.names import (
@@ -17,6 +18,7 @@ from topics.names import (
     PLAN_EVENTS_KEY,
     PLAN_INPUT_SCHEMAS,
     PLAN_SUBMITTED,
+    RELEASE_DELIVERED,
     SUBGOAL_STATUS,
 )
 from topics.publish_checks import publishable_topics
@@ -72,3 +74,17 @@ def test_plan_events_are_keyed_by_the_scheduler_key_not_the_session() -> None:
     assert "event_time must be positive" in check(EXECUTOR_HEARTBEAT, {**heartbeat("x", 0), "sent_at": 0}, KEY)
     no_session = {**submitted, "envelope": {**submitted["envelope"], "session_id": ""}}
     assert check(PLAN_SUBMITTED, no_session, KEY) == "envelope.session_id is empty"
+
+
+def test_a_release_delivered_marker_is_a_plan_event_the_processor_may_publish_and_no_table_takes() -> None:
+    check = InputValidator().problem
+    mark = marker("p", "a", 1, 3)
+    assert CODEC.decode(CODEC.encode(RELEASE_DELIVERED, mark), expect=topic_expectation(CATALOG["plan_events"])) == (
+        RELEASE_DELIVERED, mark,
+    )  # fmt: skip
+    assert publishable_topics(CATALOG)[RELEASE_DELIVERED] == "t.plan_events"
+    assert check(RELEASE_DELIVERED, mark, KEY) is None
+    assert "is not 'plans'" in check(RELEASE_DELIVERED, mark, b"s1")
+    assert "must not be empty" in check(RELEASE_DELIVERED, {**mark, "decision_id": ""}, KEY)
+    assert "attempt must be >= 1" in check(RELEASE_DELIVERED, {**mark, "attempt": 0}, KEY)
+    assert rows_for("plan_events", mark, RELEASE_DELIVERED) == []  # the sink skips it, no rejected row
