@@ -125,15 +125,18 @@ def plan_events(settings: Settings) -> Topic:
 
 
 @contextlib.asynccontextmanager
-async def work_writer(settings: Settings) -> AsyncIterator[Callable[[dict[str, Any]], Any]]:
-    """Writes SubgoalReleased records to their work topic, keyed by session, as the plans processor does."""
+async def work_writer(settings: Settings) -> AsyncIterator[Callable[..., Any]]:
+    """Writes SubgoalReleased records to their work topic, keyed by session, as the plans processor does; `sent_at`
+    (UTC micros) backdates the record's timestamp, as for work written long ago."""
     codec = AvroCodec()
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap_servers, acks="all")
     await producer.start()
 
-    async def write(record: dict[str, Any]) -> None:
+    async def write(record: dict[str, Any], sent_at: int | None = None) -> None:
         value = codec.encode(SUBGOAL_RELEASED, record)
-        await producer.send_and_wait(record["work_topic"], value, key=record["session_id"].encode())
+        timestamp_ms = sent_at // 1000 if sent_at is not None else None
+        await producer.send_and_wait(record["work_topic"], value, key=record["session_id"].encode(),
+                                     timestamp_ms=timestamp_ms)  # fmt: skip
 
     try:
         yield write
@@ -348,7 +351,8 @@ async def test_an_executor_runs_only_its_own_work_once_and_drops_expired_work(se
     subgoals = [Subgoal(id=f"g{i}", tool="t", resource_class=cls, deadline_s=60) for i in range(4)]
     released = releases(scheduler.apply(PLAN_SUBMITTED, plan_record(session, "p", subgoals, now)))
     assert sorted(r["executor_id"] for r in released) == ["ex-a", "ex-a", "ex-b", "ex-b"]
-    # an old release (its deadline long past) for each executor, from another scheduler's earlier run
+    # an old release (its deadline long past) for each executor, from another scheduler's earlier run, written then
+    # (an executor's deadline runs from when the work was written, as the scheduler's does from its delivery marker)
     old = now - 600 * 1_000_000
     stale = PlanScheduler(work_topic_prefix=f"{settings.topic_prefix}.work")
     for eid in ("ex-a", "ex-b"):
@@ -370,7 +374,7 @@ async def test_an_executor_runs_only_its_own_work_once_and_drops_expired_work(se
     async with a, b, plan_events(settings) as events, work_writer(settings) as write:
         # one session, so one partition: the executors read these in this order
         for record in [*released, *released, *expired, too_big, *sentinels]:
-            await write(record)
+            await write(record, old if record in expired else None)
         sentinel_keys = {f"{session}/last/{r['subgoal_id']}/{r['attempt']}" for r in sentinels}
         await events.wait_for(
             lambda evs: sentinel_keys <= {_key_of(s) for s in events.statuses() if s["state"] == "SUCCEEDED"},
