@@ -116,19 +116,36 @@ FROM
 ARRAY JOIN parts AS part
 GROUP BY plan_session_id, plan_id, subgoal_id, attempt, source, name;
 
--- Per plan: the same over all its subgoals and attempts.
+-- Per plan: the same over all its subgoals and attempts. steps: the plan's dispatches (all of them, on every row);
+-- subgoals and attempts: those with a reward of that source and name (or a fused one).
 CREATE OR REPLACE VIEW {database}.plan_rewards
 AS SELECT
     plan_session_id,
     plan_id,
-    source,
-    name,
-    uniqExact(subgoal_id) AS subgoals,
-    uniqExact(subgoal_id, attempt) AS attempts,
-    sum(steps) AS steps,
-    sum(rewarded_steps) AS rewarded_steps,
-    sum(rewards) AS rewards,
-    sum(reward_sum) AS reward_sum,
+    part.1 AS source,
+    part.2 AS name,
+    uniqExactIf(subgoal_id, part.4) AS subgoals,
+    uniqExactIf(subgoal_id, attempt, part.4) AS attempts,
+    any(plan_steps) AS steps,
+    uniqExactIf(logical_event_id, part.4) AS rewarded_steps,
+    countIf(part.4) AS rewards,
+    sumIf(part.3, part.4) AS reward_sum,
     if(rewards = 0, NULL, reward_sum / rewards) AS reward_mean
-FROM {database}.plan_subgoal_rewards
+FROM
+(
+    SELECT
+        s.plan_session_id AS plan_session_id,
+        s.plan_id AS plan_id,
+        s.subgoal_id AS subgoal_id,
+        s.attempt AS attempt,
+        s.logical_event_id AS logical_event_id,
+        count() OVER (PARTITION BY s.plan_session_id, s.plan_id) AS plan_steps,
+        arrayConcat(
+            [tuple('', '', ifNull(s.reward, 0.), s.reward IS NOT NULL)],
+            arrayMap((src, nm, v) -> tuple(toString(src), toString(nm), v, true),
+                     s.`components.source`, s.`components.name`, s.`components.value`)
+        ) AS parts
+    FROM {database}.plan_step_rewards AS s
+)
+ARRAY JOIN parts AS part
 GROUP BY plan_session_id, plan_id, source, name;
