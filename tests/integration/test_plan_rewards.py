@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
+from sinks import migrations
+from sinks.clickhouse import ClickHouseStore
 from sinks.sql_client import run_sql
 from tests.factories import RawProducer, reward, treadle, wait_for
 from topics.ids import now_micros
@@ -163,3 +166,37 @@ def test_rewards_roll_up_per_subgoal_attempt_and_plan(deployment: Settings, work
         total = sum(fused_by_step[(ref.session_id, ref.logical_event_id)] for ref in refs)
         line = next(x for x in shown.stdout.splitlines() if x[4:].startswith(f"{sid}  SUCCEEDED"))
         assert f"  reward {total:.2f} ({len(refs)}/{len(refs)} steps)" in line, shown.stdout
+
+
+def dispatch_row(event_id: str, session: str, step: str, subgoal: str, attempt: int) -> str:
+    attributes = f"{{'plan_id': 'p1', 'subgoal_id': '{subgoal}', 'attempt': '{attempt}', 'plan_session_id': 'ps'}}"
+    return f"('actions', 'treadle.events.ActionDispatched', '{event_id}', '{session}', 'a', 'ep', '{step}', 1, " \
+           f"'2026-12-01 00:00:00', 'v1', 't', {attributes}, '{{\"tool\": \"search\"}}', 1)"  # fmt: skip
+
+
+def test_migration_0021_backfills_plan_steps_catches_new_dispatches_once_and_rolls_back(tmp_path: Path) -> None:
+    """Dispatches sunk before the migration are backfilled, later ones reach plan_steps through the materialized view,
+    a replayed dispatch counts once, steps without plan attributes stay out, and the down script removes it all."""
+    insert = "INSERT INTO raw_events (kind, schema_name, event_id, session_id, agent_id, episode_id, " \
+             "logical_event_id, seq, event_time, policy_version, trace_id, attributes, payload_json, " \
+             "ingested_revision) VALUES "  # fmt: skip
+    outside = "('actions', 'x', 'e0', 'other', 'a', 'ep', 'st0', 1, '2026-12-01 00:00:00', 'v1', 't', {}, '{}', 1)"
+    with ClickHouseStore.open(Settings(home=tmp_path), database="rw") as store:
+        db = store.database
+        assert store.call_sync(lambda c: migrations.apply_pending(c, db, target=20))[-1] == 20
+        store.command_sync(insert + dispatch_row("e1", "s-a1", "st1", "a", 1) + ", " + outside)
+        assert store.call_sync(lambda c: migrations.apply_pending(c, db, target=21)) == [21]
+        store.command_sync(insert + dispatch_row("e2", "s-a2", "st2", "a", 2))
+        store.command_sync(insert + dispatch_row("e1", "s-a1", "st1", "a", 1))  # a replay
+        found = store.query_sync(
+            "SELECT subgoal_id, attempt, session_id, logical_event_id, tool FROM plan_steps FINAL "
+            "WHERE plan_session_id = 'ps' AND plan_id = 'p1' ORDER BY attempt"
+        ).result_rows
+        assert [tuple(r) for r in found] == [("a", 1, "s-a1", "st1", "search"), ("a", 2, "s-a2", "st2", "search")]
+        steps = store.query_sync("SELECT steps, rewarded_steps, reward_sum FROM plan_subgoal_rewards "
+                                 "WHERE plan_id = 'p1' AND source = '' ORDER BY attempt").result_rows  # fmt: skip
+        assert [tuple(r) for r in steps] == [(1, 0, 0.0), (1, 0, 0.0)]  # no reward woven yet
+        assert store.call_sync(lambda c: migrations.rollback(c, 20, db)) == [21]
+        left = store.query_sync(f"SELECT name FROM system.tables WHERE database = '{db}' AND name LIKE 'plan_%'")
+        assert not {n for (n,) in left.result_rows} & {"plan_steps", "plan_steps_mv", "plan_step_rewards",
+                                                        "plan_subgoal_rewards", "plan_rewards"}  # fmt: skip
