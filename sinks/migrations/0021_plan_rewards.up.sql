@@ -4,8 +4,7 @@
 -- (session_id, event_id), so "the steps of plan P" would scan it: plan_steps holds one row per dispatch of plan work,
 -- keyed by the plan, filled by plan_steps_mv as the sink inserts raw_events (and backfilled below from what is there).
 -- Read path: filter the views on plan_session_id and plan_id (as `treadle plan show` does): the filter reaches
--- plan_steps' primary key; the rewards are read from woven_rewards by primary key (session_id, logical_event_id) for
--- the steps of plan work only, never the other steps. Last revision only: woven_rewards_latest (argMax by revision).
+-- plan_steps' primary key, and the join with woven_rewards is built from that plan's steps. Last revision only.
 CREATE TABLE IF NOT EXISTS {database}.plan_steps
 (
     plan_session_id String COMMENT 'Session of the plan (attribute plan_session_id).',
@@ -54,7 +53,11 @@ SELECT
 FROM {database}.raw_events AS r
 WHERE r.kind = 'actions' AND r.attributes['plan_id'] != '';
 
--- One row per step of plan work with its current fused reward (NULL while none is woven) and components.
+-- One row per step of plan work with its current fused reward (NULL while none is woven) and components: the
+-- highest revision of the live woven rewards, as woven_rewards_latest picks it (argMax by revision), taken after the
+-- join so that a filter on the plan reaches plan_steps and the join (built from those few steps) filters the
+-- woven_rewards scan at run time instead of aggregating every step's revisions first. Columns are qualified (w., p.)
+-- because ClickHouse aliases are global.
 CREATE OR REPLACE VIEW {database}.plan_step_rewards
 AS SELECT
     p.plan_session_id AS plan_session_id,
@@ -66,20 +69,16 @@ AS SELECT
     p.executor_id AS executor_id,
     p.tool AS tool,
     p.dispatched_at AS dispatched_at,
-    if(w.revision > 0, w.value, NULL) AS reward,
-    if(w.revision > 0, w.status, 'pending') AS reward_status,
-    w.revision AS reward_revision,
-    w.`components.source` AS `components.source`,
-    w.`components.name` AS `components.name`,
-    w.`components.value` AS `components.value`
+    max(w.revision) AS reward_revision,
+    if(reward_revision > 0, argMax(w.value, w.revision), NULL) AS reward,
+    if(reward_revision > 0, argMax(w.status, w.revision), 'pending') AS reward_status,
+    argMax(w.components.source, w.revision) AS `components.source`,
+    argMax(w.components.name, w.revision) AS `components.name`,
+    argMax(w.components.value, w.revision) AS `components.value`
 FROM (SELECT * FROM {database}.plan_steps FINAL) AS p
-LEFT JOIN
-(
-    SELECT session_id, logical_event_id, revision, value, status,
-           `components.source`, `components.name`, `components.value`
-    FROM {database}.woven_rewards_latest
-    WHERE (session_id, logical_event_id) IN (SELECT session_id, logical_event_id FROM {database}.plan_steps)
-) AS w ON w.session_id = p.session_id AND w.logical_event_id = p.logical_event_id;
+LEFT JOIN (SELECT * FROM {database}.woven_rewards WHERE variant = 'live') AS w
+    ON w.session_id = p.session_id AND w.logical_event_id = p.logical_event_id
+GROUP BY plan_session_id, plan_id, subgoal_id, attempt, session_id, logical_event_id, executor_id, tool, dispatched_at;
 
 -- Per plan, subgoal and attempt: one row for the fused reward (source = '' and name = '') and one per reward source
 -- and name. steps: the attempt's dispatches; rewarded_steps: those with a reward of that source and name (or a fused
