@@ -80,6 +80,22 @@ LEFT JOIN (SELECT * FROM {database}.woven_rewards WHERE variant = 'live') AS w
     ON w.session_id = p.session_id AND w.logical_event_id = p.logical_event_id
 GROUP BY plan_session_id, plan_id, subgoal_id, attempt, session_id, logical_event_id, executor_id, tool, dispatched_at;
 
+-- Each step of plan work with its rewards as (source, name, value, present) parts: the fused reward first (source and
+-- name empty; present = 0 while none is woven), then one per component. The two roll-ups below array-join these.
+CREATE OR REPLACE VIEW {database}.plan_step_reward_parts
+AS SELECT
+    s.plan_session_id AS plan_session_id,
+    s.plan_id AS plan_id,
+    s.subgoal_id AS subgoal_id,
+    s.attempt AS attempt,
+    s.logical_event_id AS logical_event_id,
+    arrayConcat(
+        [tuple('', '', ifNull(s.reward, 0.), s.reward IS NOT NULL)],
+        arrayMap((src, nm, v) -> tuple(toString(src), toString(nm), v, true),
+                 s.`components.source`, s.`components.name`, s.`components.value`)
+    ) AS parts
+FROM {database}.plan_step_rewards AS s;
+
 -- Per plan, subgoal and attempt: one row for the fused reward (source = '' and name = '') and one per reward source
 -- and name. steps: the attempt's dispatches; rewarded_steps: those with a reward of that source and name (or a fused
 -- one); rewards: how many (a step judged twice by one source and name counts twice); reward_mean = reward_sum / rewards.
@@ -105,12 +121,8 @@ FROM
         s.attempt AS attempt,
         s.logical_event_id AS logical_event_id,
         count() OVER (PARTITION BY s.plan_session_id, s.plan_id, s.subgoal_id, s.attempt) AS attempt_steps,
-        arrayConcat(
-            [tuple('', '', ifNull(s.reward, 0.), s.reward IS NOT NULL)],
-            arrayMap((src, nm, v) -> tuple(toString(src), toString(nm), v, true),
-                     s.`components.source`, s.`components.name`, s.`components.value`)
-        ) AS parts
-    FROM {database}.plan_step_rewards AS s
+        s.parts AS parts
+    FROM {database}.plan_step_reward_parts AS s
 )
 ARRAY JOIN parts AS part
 GROUP BY plan_session_id, plan_id, subgoal_id, attempt, source, name;
@@ -139,12 +151,8 @@ FROM
         s.attempt AS attempt,
         s.logical_event_id AS logical_event_id,
         count() OVER (PARTITION BY s.plan_session_id, s.plan_id) AS plan_steps,
-        arrayConcat(
-            [tuple('', '', ifNull(s.reward, 0.), s.reward IS NOT NULL)],
-            arrayMap((src, nm, v) -> tuple(toString(src), toString(nm), v, true),
-                     s.`components.source`, s.`components.name`, s.`components.value`)
-        ) AS parts
-    FROM {database}.plan_step_rewards AS s
+        s.parts AS parts
+    FROM {database}.plan_step_reward_parts AS s
 )
 ARRAY JOIN parts AS part
 GROUP BY plan_session_id, plan_id, source, name;
