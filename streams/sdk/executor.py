@@ -422,9 +422,10 @@ class Executor:
 
     async def _take(self, value: bytes | None) -> None:
         """One record of the work topic: accept it if it is this executor's and new."""
+        received_at = time.time_ns() // 1000
         try:
             _, record = self._codec.decode(value or b"", expect=SUBGOAL_RELEASED)
-            work = SubgoalWork.from_record(record)
+            work = SubgoalWork.from_record(record, received_at=received_at)
         except Exception as exc:  # another writer's bad record: nothing to run, nothing to report to
             log.warning("executor %s skipped an unreadable record on %s: %s", self.executor_id, self.work_topic, exc)
             return
