@@ -8,7 +8,7 @@ export PIP_CACHE_DIR ?= $(CURDIR)/.cache/pip
 CARGO ?= $(shell command -v cargo 2>/dev/null || ls $(HOME)/.cargo/bin/cargo 2>/dev/null)
 NATIVE_SOURCES := native/Cargo.toml native/Cargo.lock native/pyproject.toml $(wildcard native/src/*.rs)
 
-.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-smoke bench-weaving chaos up down clean
+.PHONY: install native demo test test-unit test-integration test-gpu lint bench bench-smoke bench-weaving bench-plans chaos up down clean
 
 install: $(VENV)/.installed $(VENV)/.native
 
@@ -57,6 +57,7 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.plans_latency_bench
 
 # Every bench and section with small N (CI runs it): each must run to the end and its row checks hold; no timings
 # are asserted.
@@ -65,6 +66,7 @@ bench-smoke: install
 	$(BIN)/python -m bench.weaving_bench --quick --only throughput --only latency --duration 10
 	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
 	$(BIN)/python -m bench.plans_bench --plans 60 --repeats 1 --codec
+	$(BIN)/python -m bench.plans_recovery_bench --plans 50
 
 # Issue #25: kills of the worker, the sink, a broker (3-broker cluster) and Valkey under load; every table checked.
 chaos: install
@@ -73,6 +75,12 @@ chaos: install
 # Issue #3: reward weaving throughput on one core, latency at 5,000 events/s, a 10-minute RSS soak (~15 min).
 bench-weaving: install
 	$(BIN)/python -m bench.weaving_bench
+
+# Issue #27: the plans scheduler's fold (releases/s on one core), its recovery refold, and release latency on a stack.
+bench-plans: install
+	$(BIN)/python -m bench.plans_bench --codec
+	$(BIN)/python -m bench.plans_recovery_bench
+	$(BIN)/python -m bench.plans_latency_bench
 
 up: install
 	$(BIN)/treadle up

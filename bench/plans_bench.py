@@ -19,9 +19,8 @@ Only the scheduler's work is timed (CPU time of the process around `apply`, and 
 and the median shown; the driver that plays the executors is not. Prints releases/s and input events/s, the ratio to
 the baseline, the load average and the machine.
 
-Not measured here: release latency p50/p99 (the last dependency's SUCCEEDED to the executor receiving the work) on
-the real stack. It needs the `plans` processor and `treadle.Executor` running on a private stack; the hook for it is
-`release_latency_on_stack` below.
+Not measured here: release latency p50/p99 (the last dependency's success to the executor receiving the work) on
+the real stack: `python -m bench.plans_latency_bench`.
 """
 
 from __future__ import annotations
@@ -242,22 +241,6 @@ class NaiveScheduler:
         return out
 
 
-def release_latency_on_stack(plans_count: int, nodes: int) -> None:
-    """HOOK, NOT BUILT: release latency p50/p99 on the real stack (issue #27's acceptance), for when the `plans`
-    processor (processors.plans.processor, branch plans-processor) and `treadle.Executor` are both on main.
-
-    Plan: a private stack (bench.common.bench_settings + local_stack), one `treadle worker` with
-    TREADLE_PROCESSORS=plans (as tests/integration/test_plans_pipeline.py runs it), one `treadle.Executor` per class
-    in this process (EXECUTORS' capacities) whose handlers return at once, the same `plans()` submitted with
-    AgentStream.submit_plan. Each handler stamps time.monotonic() when it is called (receipt) and just before it
-    returns (its SUCCEEDED goes out right after); one process, one clock. Latency of a release = its receipt minus the
-    latest return among its subgoal's dependencies (releases of subgoals with no dependency are left out: they wait
-    on the submission, not on a success). Print p50/p99/max beside the same stack's raw round trip (produce a record
-    to a topic, an aiokafka consumer receives it) as the baseline, with the load average; run it in `make bench`
-    rather than bench-smoke (Kafka start-up)."""
-    raise NotImplementedError("release latency on the real stack needs the plans processor and treadle.Executor")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", type=int, default=1000)
@@ -313,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         codec_rate, codec_inputs, codec_cpu = rate(codecs)
         print(f"  codec     Avro decode + fold + encode {codec_rate:9,.0f} releases/s {codec_inputs:10,.0f} "
               f"inputs/s ({codec_cpu:.2f} s)   {codec_rate / fold_rate:.2f}x the fold alone")  # fmt: skip
-    print("  release latency p50/p99 on the real stack: not measured here (needs the plans processor and "
-          "treadle.Executor; see release_latency_on_stack)")  # fmt: skip
+    print("  release latency p50/p99 on the real stack: python -m bench.plans_latency_bench")
     for problem in problems:
         print(f"  CHECK FAILED: {problem}")
     return 1 if problems else 0

@@ -422,11 +422,11 @@ class Executor:
 
     async def _take(self, value: bytes | None, timestamp_ms: int | None = None) -> None:
         """One record of the work topic (written at `timestamp_ms`): accept it if it is this executor's and new."""
+        received_at = time.time_ns() // 1000
+        sent_at = timestamp_ms * 1000 if timestamp_ms is not None and timestamp_ms > 0 else 0
         try:
             _, record = self._codec.decode(value or b"", expect=SUBGOAL_RELEASED)
-            work = SubgoalWork.from_record(record)
-            if timestamp_ms is not None and timestamp_ms > 0:
-                work = work.model_copy(update={"sent_at": timestamp_ms * 1000})
+            work = SubgoalWork.from_record(record, received_at=received_at, sent_at=sent_at)
         except Exception as exc:  # another writer's bad record: nothing to run, nothing to report to
             log.warning("executor %s skipped an unreadable record on %s: %s", self.executor_id, self.work_topic, exc)
             return

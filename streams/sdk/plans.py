@@ -124,13 +124,18 @@ class SubgoalWork(BaseModel):
     deadline_s: float
     fallback: bool = False
     released_at: int  # scheduler event time, UTC micros
+    # UTC micros at which the executor read the record from its work topic (None when not read by an executor):
+    # received_at - released_at is the release's way to the executor (plus any clock skew between the hosts)
+    received_at: int | None = None
     sent_at: int = 0  # when the release was written to the work topic (its record's timestamp), UTC micros; 0: unknown
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> SubgoalWork:
-        """From a decoded SubgoalReleased record (params_json parsed)."""
+    def from_record(cls, record: dict[str, Any], *, received_at: int | None = None, sent_at: int = 0) -> SubgoalWork:
+        """From a decoded SubgoalReleased record (params_json parsed), written to the work topic at `sent_at` (its
+        record's timestamp) and read by an executor at `received_at`."""
         fields = {k: v for k, v in record.items() if k != "params_json"}
-        return cls.model_validate({**fields, "params": json.loads(record.get("params_json") or "{}")})
+        params = json.loads(record.get("params_json") or "{}")
+        return cls.model_validate({**fields, "params": params, "received_at": received_at, "sent_at": sent_at})
 
     @property
     def attempt_key(self) -> str:

@@ -209,9 +209,11 @@ async def test_a_submitted_plan_runs_on_an_executor_with_statuses_heartbeats_and
     a handler runs, capacity less the running attempt, step-path events carrying the plan and subgoal."""
     holding = asyncio.Event()  # the handler of "slow" waits for it
     calls: list[tuple[str, int]] = []
+    received: list[tuple[int, int | None, int]] = []  # released_at, received_at, the handler's call
 
     async def handle(work: SubgoalWork, ctx: AttemptContext) -> str:
         calls.append((work.subgoal_id, work.attempt))
+        received.append((work.released_at, work.received_at, now_micros()))
         step = await ctx.stream.dispatch(work.tool or "noop", work.params)
         await ctx.stream.tool_result(step, "OK", output="done")
         if work.subgoal_id == "flaky" and work.attempt == 1:
@@ -277,6 +279,8 @@ async def test_a_submitted_plan_runs_on_an_executor_with_statuses_heartbeats_and
     states = scheduler.subgoal_states(session, "plan-1")
     assert {s: str(v) for s, v in states.items()} == dict.fromkeys(["fetch", "flaky", "slow", "report"], "SUCCEEDED")
     assert sorted(calls) == [("fetch", 1), ("flaky", 1), ("flaky", 2), ("report", 1), ("slow", 1)]
+    # the executor stamps when it read each release: after the scheduler's event time, before the handler's call
+    assert all(r is not None and released <= r <= called for released, r, called in received), received
     submitted = [e for e in events.events if e.schema == PLAN_SUBMITTED]
     assert [e.key for e in submitted] == [KEY] and submitted[0].record["goal"] == "summarise the page"
     assert all(e.key == KEY for e in events.events)

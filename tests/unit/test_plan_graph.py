@@ -72,6 +72,16 @@ def test_render_text_marks_the_critical_path_and_lists_attempts() -> None:
     assert text.index("layer 0") < text.index("* a") < text.index("layer 1") < text.index("* c")
 
 
+def test_render_text_shows_the_reward_sum_of_subgoals_with_steps() -> None:
+    history = [Interval("READY", 1, 0, 2_000_000), Interval("SUCCEEDED", 1, 2_000_000, None)]
+    ok = Attempt(1, "cpu-1", "cpu", "SUCCEEDED", "", 2.0)
+    rewarded = SubgoalView("a", (), "cpu", "t", list(history), [ok], steps=3, rewarded_steps=2, reward_sum=1.25)
+    plain = SubgoalView("b", ("a",), "cpu", "t", [], [])
+    text = "\n".join(render_text(PlanView("s1", "p1", "", 0, {"a": rewarded, "b": plain})))
+    assert "  * a  SUCCEEDED  [cpu]  1 attempt(s)  2.0 s  reward 1.25 (2/3 steps)\n" in text + "\n"
+    assert "    b  WAITING  [cpu]  0 attempt(s)  -  <- a" in text  # no steps: the line as before
+
+
 # -- properties ------------------------------------------------------------------------------------------------------
 
 

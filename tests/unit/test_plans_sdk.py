@@ -118,11 +118,13 @@ def test_subgoal_work_is_the_released_record_with_params_parsed() -> None:
     assert (work.work_topic, work.executor_id, work.tool, work.params) == ("t.work.cpu", "ex", "t", {"x": [1, 2]})
     assert work.attempt_key == attempt_key("s", "p", "a", 1)
     assert work.expires_at == record["released_at"] + 2_500_000
+    assert work.received_at is None  # read by no executor
+    assert SubgoalWork.from_record(record, received_at=123).received_at == 123
     # sent later than released (a scheduler catching up on a backlog): the deadline runs from the send, as the
     # scheduler's does from its ReleaseDelivered marker
-    late = work.model_copy(update={"sent_at": record["released_at"] + 60_000_000})
+    late = SubgoalWork.from_record(record, sent_at=record["released_at"] + 60_000_000)
     assert late.expires_at == record["released_at"] + 62_500_000
-    assert work.model_copy(update={"sent_at": record["released_at"] - 1}).expires_at == work.expires_at
+    assert SubgoalWork.from_record(record, sent_at=record["released_at"] - 1).expires_at == work.expires_at
 
 
 profiles = st.builds(ResourceProfile, gpu_memory_mb=st.integers(0, 5000), gpus=st.integers(0, 2), cpu=st.integers(0, 4))

@@ -110,6 +110,9 @@ class SubgoalView:
     tool: str
     history: list[Interval] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
+    steps: int = 0  # step-path dispatches of its attempts (plan_subgoal_rewards)
+    rewarded_steps: int = 0  # those with a woven reward
+    reward_sum: float = 0.0  # sum of their fused rewards, last revision
 
     @property
     def state(self) -> str:
@@ -153,8 +156,9 @@ class PlanView:
 
 
 def render_text(plan: PlanView) -> list[str]:
-    """The plan as lines of text: a header, the critical path, then each layer's subgoals with state, attempts and
-    durations; `*` marks the subgoals on the critical path."""
+    """The plan as lines of text: a header, the critical path, then each layer's subgoals with state, attempts,
+    durations and (for subgoals whose executors dispatched steps) the sum of their steps' rewards; `*` marks the
+    subgoals on the critical path."""
     path, total = plan.critical_path()
     on_path = set(path)
     status = plan.outcome or "RUNNING"
@@ -174,7 +178,10 @@ def render_text(plan: PlanView) -> list[str]:
             mark = "*" if sid in on_path else " "
             took = "-" if s.duration_s is None else f"{s.duration_s:.1f} s"
             deps = f"  <- {', '.join(s.depends_on)}" if s.depends_on else ""
-            lines.append(f"  {mark} {sid}  {s.state}  [{s.resource_class}]  {len(s.attempts)} attempt(s)  {took}{deps}")
+            reward = f"  reward {s.reward_sum:.2f} ({s.rewarded_steps}/{s.steps} steps)" if s.steps else ""
+            lines.append(
+                f"  {mark} {sid}  {s.state}  [{s.resource_class}]  {len(s.attempts)} attempt(s)  {took}{reward}{deps}"
+            )
             for a in s.attempts:
                 what = a.outcome or "open"
                 if a.error_class and a.outcome in ("FAILED", "TIMED_OUT"):

@@ -1,5 +1,6 @@
-"""`treadle plan show PLAN`: a plan read from ClickHouse (migration 0019's tables and views), drawn in the terminal
-(treadle.reports.plan_graph.render_text) and, with --png, as an image (matplotlib, the `reports` extra)."""
+"""`treadle plan show PLAN`: a plan read from ClickHouse (migration 0019's tables and views, 0021's rewards), drawn
+in the terminal (treadle.reports.plan_graph.render_text) and, with --png, as an image
+(matplotlib, the `reports` extra)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _rows(query: Query, sql: str, params: Mapping[str, Any]) -> list[dict[str, A
 
 def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> PlanView:
     """The plan `plan_id` (of `session_id`, needed only when the id is in several sessions) with its subgoals, their
-    state histories and attempts, and how it finished."""
+    state histories, attempts and step rewards (fused, summed over its attempts), and how it finished."""
     where = "plan_id = {plan:String}" + ("" if session_id is None else " AND session_id = {session:String}")
     params = {"plan": plan_id} if session_id is None else {"plan": plan_id, "session": session_id}
     plans = _rows(query, "SELECT session_id, goal, toUnixTimestamp64Micro(submitted_at) AS submitted_us "
@@ -69,6 +70,13 @@ def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> Plan
                 None if row["duration_s"] is None else float(row["duration_s"]), bool(row["fallback"]),
                 bool(row["late"]),
             ))  # fmt: skip
+    for row in _rows(query, "SELECT subgoal_id, sum(steps) AS steps, sum(rewarded_steps) AS rewarded_steps, "
+                            "sum(reward_sum) AS reward_sum FROM plan_subgoal_rewards WHERE plan_session_id = "
+                            "{session:String} AND plan_id = {plan:String} AND source = '' AND name = '' "
+                            "GROUP BY subgoal_id", params):  # fmt: skip
+        if row["subgoal_id"] in subgoals:
+            s = subgoals[row["subgoal_id"]]
+            s.steps, s.rewarded_steps, s.reward_sum = int(row["steps"]), int(row["rewarded_steps"]), row["reward_sum"]
     view = PlanView(session, plan_id, plans[0]["goal"], int(plans[0]["submitted_us"]), subgoals)
     finished = _rows(query, "SELECT outcome, toUnixTimestamp64Micro(decided_at) AS at_us FROM plan_decisions_latest "
                             f"WHERE {key} AND kind = 'finished'", params)  # fmt: skip
