@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from topics.codec import AvroCodec
+from topics.codec import AvroCodec, DecodeError
 from topics.compacted import partition_ids
-from topics.names import RELEASE_DELIVERED
+from topics.names import PLAN_DECISION_SCHEMAS, RELEASE_DELIVERED
 
 log = logging.getLogger(__name__)
 
+_DECISIONS = frozenset(PLAN_DECISION_SCHEMAS)
 CLOCK_SKEW_MS = 5 * 60 * 1000  # producers' clocks may disagree this much: read back from that much earlier
 
 
@@ -62,7 +63,7 @@ async def marked_releases(
     async for message in read_partition(bootstrap_servers, topic, partition, start, stop):
         try:
             schema_name, record = codec.decode(message.value or b"")
-        except Exception:  # an unreadable record: the intake dead-letters it; it marks nothing
+        except DecodeError:  # an unreadable record: the intake dead-letters it; it marks nothing
             continue
         if schema_name == RELEASE_DELIVERED:
             found.add(record["decision_id"])
@@ -93,6 +94,7 @@ async def sent_decision_ids(
 ) -> dict[str, set[str]]:
     """The decision_id of every record on `topics` written at or after `since_ms` (less CLOCK_SKEW_MS), per topic."""
     found: dict[str, set[str]] = {topic: set() for topic in topics}
+    unreadable: dict[str, int] = {}
     partitions = [TopicPartition(t, p) for t in topics for p in await partition_ids(bootstrap_servers, t)]
     if not partitions:
         return found
@@ -117,7 +119,15 @@ async def sent_decision_ids(
                         remaining.discard(tp)
                         break
                     if message.value is not None:
-                        _, record = codec.decode(message.value)
+                        try:
+                            _, record = codec.decode(message.value, expect=_DECISIONS)
+                        except DecodeError as exc:  # another writer's record on a work topic: it sent nothing
+                            unreadable[tp.topic] = unreadable.get(tp.topic, 0) + 1
+                            if unreadable[tp.topic] == 1:
+                                log.warning("%s[%d]@%d is not a scheduler decision (%s); the plans scheduler's "
+                                            "recovery skips such records (only treadle should write %s)", tp.topic,
+                                            tp.partition, message.offset, exc.reason, tp.topic)  # fmt: skip
+                            continue
                         found[tp.topic].add(record["decision_id"])
                     if message.offset + 1 >= ends[tp]:
                         remaining.discard(tp)

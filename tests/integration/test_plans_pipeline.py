@@ -37,7 +37,8 @@ from processors.plans.dag import PlanRefused, PlanScheduler, attempt_key
 from processors.plans.processor import fold_input
 from tests.factories import wait_for
 from tests.paths import REPO_ROOT
-from topics.catalog import TopicCatalog
+from topics.admin import ensure_topics
+from topics.catalog import TopicCatalog, work_topic_spec
 from topics.codec import AvroCodec
 from topics.compacted import read_to_end
 from topics.names import (
@@ -340,6 +341,18 @@ def test_a_fifty_node_plan_survives_failures_a_dead_executor_and_a_worker_kill_9
 OUTAGE_DEADLINE_S = 4.0
 
 
+async def write_junk_work(settings: Settings) -> None:
+    """A record that is no scheduler decision on a work topic (another writer's), which recovery reads back."""
+    spec = work_topic_spec(settings, "junk")
+    await ensure_topics([spec], settings.kafka_bootstrap_servers)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await producer.start()
+    try:
+        await producer.send_and_wait(spec.name, b"not a SubgoalReleased", key=b"x")
+    finally:
+        await producer.stop()
+
+
 def test_a_worker_back_after_an_outage_longer_than_the_deadline_times_nothing_out(deployment, worker_factory, tmp_path):
     """A chain of subgoals with 4 s deadlines. The scheduling worker is killed with -9 while a subgoal runs; that one
     succeeds during the outage and the executor heartbeats on. A new worker starts more than the deadline later and
@@ -365,13 +378,16 @@ def test_a_worker_back_after_an_outage_longer_than_the_deadline_times_nothing_ou
 
         wait_for(lambda: running("c2"), 120, "c2 running", interval=0.05, explain=executor.explain)
         worker.kill()  # c2 ends during the outage; its SUCCEEDED and the heartbeats after it wait in the log
+        asyncio.run(write_junk_work(deployment))  # the recovery reads the work topics back: it must skip this
         time.sleep(3 * OUTAGE_DEADLINE_S)
-        worker_factory(deployment).start().wait_ready()
+        restarted = worker_factory(deployment).start()
+        restarted.wait_ready()
 
         def finished() -> list[dict[str, Any]]:
             return [r for s, r in records(deployment, catalog["plan_decisions"].name) if s == PLAN_FINISHED]
 
         wait_for(finished, 240, "the plan to finish", interval=1.0, explain=executor.explain)
+        assert "is not a scheduler decision" in restarted.log_tail(2000)  # skipped, and said so
     finally:
         executor.kill()
 
