@@ -292,6 +292,30 @@ class Settings(BaseModel):
     llm_judge_concurrency: int = Field(
         default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
     )
+    plan_aging_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="TREADLE_PLAN_AGING_S: event-time seconds a ready subgoal waits before the plans scheduler stops "
+        "letting smaller, later subgoals of its class pass it (and reserves an executor for it): no starvation.",
+    )
+    plan_finished_retention_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="TREADLE_PLAN_FINISHED_RETENTION_S: event-time seconds the plans scheduler remembers a finished "
+        "plan (a digest of it: a resubmission within this changes nothing, a different plan under its id is refused).",
+    )
+    plan_finished_limit: int = Field(
+        default=100_000,
+        ge=1,
+        description="TREADLE_PLAN_FINISHED_LIMIT: finished plans the plans scheduler remembers at most (oldest "
+        "forgotten first).",
+    )
+    plan_executor_forget_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="TREADLE_PLAN_EXECUTOR_FORGET_S: event-time seconds after an executor's advertisement ran out "
+        "that the plans scheduler forgets it and the room its timed-out attempts held.",
+    )
     diagnosis_failure_threshold: int = Field(
         default=3,
         ge=2,

@@ -215,9 +215,7 @@ class PlansProcessor:
         servers = self.settings.kafka_bootstrap_servers
         self.folds.pop(source.partition, None)  # back only once whole (a failure part-way leaves none)
         if fold is None:
-            fold = PartitionFold(
-                PlanScheduler(work_topic_prefix=self.work_topic_prefix, delivery_markers=True), next_offset=0
-            )
+            fold = PartitionFold(scheduler_for(self.settings, self.work_topic_prefix), next_offset=0)
         first, folded = fold.next_offset, 0
         async for message in recovery.read_partition(servers, source.topic, source.partition, first, source.offset):
             read = self._intake.read(SourceMessage.of(message, timestamp_ms=message.timestamp))
@@ -242,3 +240,15 @@ class PlansProcessor:
                  sum(len(ids) for ids in fold.sent.values()), len(fold.marked))  # fmt: skip
         self.folds[source.partition] = fold
         return fold
+
+
+def scheduler_for(settings: Settings, work_topic_prefix: str) -> PlanScheduler:
+    """The deployment's scheduler: deadlines from delivery markers, memory limits and aging from settings."""
+    return PlanScheduler(
+        work_topic_prefix=work_topic_prefix,
+        aging_s=settings.plan_aging_s,
+        finished_retention_s=settings.plan_finished_retention_s,
+        finished_limit=settings.plan_finished_limit,
+        executor_forget_s=settings.plan_executor_forget_s,
+        delivery_markers=True,
+    )
