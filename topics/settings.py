@@ -292,6 +292,14 @@ class Settings(BaseModel):
     llm_judge_concurrency: int = Field(
         default=8, ge=1, description="TREADLE_LLM_JUDGE_CONCURRENCY: llm_judge HTTP calls in flight at once."
     )
+    worker_fetch_min_bytes: int = Field(
+        default=16_384,
+        ge=1,
+        description="TREADLE_WORKER_FETCH_MIN_BYTES: a worker's input fetch returns once this many bytes are there "
+        "(or after 100 ms). 16 KiB spares the broker a request per few records under a steady trickle; 1 gives sparse "
+        "input its lowest latency (with TREADLE_PROCESS_BATCH_SECONDS=0, a plans deployment's releases: see "
+        "benchmarks.md, release latency).",
+    )
     plan_aging_s: float = Field(
         default=60.0,
         ge=0,

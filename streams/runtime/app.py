@@ -248,6 +248,7 @@ def build_pipeline(
         producer_max_request_size=KAFKA_MAX_REQUEST_BYTES,
         consumer_metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
     )
+    app.fetch_min_bytes = settings.worker_fetch_min_bytes
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
         processor.setup(app, settings)

@@ -69,6 +69,7 @@ FETCH_MAX_WAIT_MS = 100  # longest a broker holds a fetch with nothing new (also
 # A fetch returns once this much is there (or after FETCH_MAX_WAIT_MS). With 1 byte (aiokafka's default) a worker
 # under a steady trickle fetched a few records per request, and the broker paid for every request on the core it
 # shares with the sink (weaving bench, paced 5,000 events/s). Sparse input waits at most FETCH_MAX_WAIT_MS longer.
+# The default of TREADLE_WORKER_FETCH_MIN_BYTES (ResumingApp.fetch_min_bytes).
 FETCH_MIN_BYTES = 16_384
 STALL_REPORT_S = 30.0  # a rebalance waiting this long for unacked input logs what every asyncio task awaits
 HOLE_TRIES = 3  # an input partition is read again from a hole this many times before the hole is taken as real
@@ -83,7 +84,7 @@ class ResumingConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         # the broker holds for partitions with nothing new also holds back the partitions just drained:
         # measured as 0.5-1.5 s stalls with a full backlog. Set before start(), which builds the fetcher.
         consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
-        consumer._fetch_min_bytes = FETCH_MIN_BYTES
+        consumer._fetch_min_bytes = getattr(transport.app, "fetch_min_bytes", FETCH_MIN_BYTES)
         return consumer
 
     async def seek_to_committed(self) -> Mapping[Any, int]:
@@ -461,6 +462,7 @@ class ResumingApp(faust.App):
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
     input_max_skew_s: float = MAX_SKEW_S  # how far (record time) an input partition may read ahead of the others
+    fetch_min_bytes: int = FETCH_MIN_BYTES  # TREADLE_WORKER_FETCH_MIN_BYTES: a fetch returns once this much is there
     # Called once, when the first record of a batch topic is read (before it is decoded): a benchmark's clock starts
     # there, so the input a worker reads while it is still starting up (its sink, its web page) is timed too.
     on_first_input: Callable[[], None] | None = None

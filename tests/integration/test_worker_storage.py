@@ -7,6 +7,7 @@ tests/test_weaving_pipeline.py, which run with these defaults.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,16 @@ def test_the_worker_tables_write_no_wal_so_a_hard_exit_keeps_only_flushed_writes
 def test_the_worker_producer_compresses_as_configured(tmp_path: Path, setting: str, codec: str | None) -> None:
     settings = Settings(home=tmp_path, output_compression=setting)  # type: ignore[arg-type]
     assert build_pipeline(settings, processors=[]).app.conf.producer_compression_type == codec
+
+
+@pytest.mark.parametrize("fetch_min_bytes", [1, 16_384])
+def test_the_worker_consumer_fetches_with_the_configured_minimum(tmp_path: Path, fetch_min_bytes: int) -> None:
+    app = build_pipeline(Settings(home=tmp_path, worker_fetch_min_bytes=fetch_min_bytes), processors=[]).app
+
+    async def made() -> int:  # the aiokafka consumer the worker's consumer thread builds (not started)
+        return app.consumer._thread._create_worker_consumer(app.transport)._fetch_min_bytes
+
+    assert asyncio.run(made()) == fetch_min_bytes
 
 
 def test_zstd_is_the_default_and_its_codec_is_installed() -> None:
