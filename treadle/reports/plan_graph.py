@@ -12,8 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-DONE_STATES = frozenset({"SUCCEEDED", "ESCALATED", "CANCELLED"})
-
 
 class PlanGraphError(ValueError):
     """The stored plan is not a DAG (a refused plan: a cycle or an unknown dependency)."""

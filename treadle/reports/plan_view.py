@@ -9,7 +9,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from treadle.reports.plan_graph import Attempt, Interval, PlanView, SubgoalView, critical_path, layers
+from treadle.reports.plan_graph import Attempt, Interval, PlanView, SubgoalView
 
 Query = Callable[..., tuple[list[str], list[list[Any]]]]  # sinks.sql_client.run_sql bound to settings
 
@@ -95,11 +95,10 @@ def draw_png(plan: PlanView, path: Path) -> None:
     except ImportError as exc:
         raise ModuleNotFoundError("--png needs matplotlib: pip install 'treadle[reports]'", name=exc.name) from None
     depends_on = plan.depends_on
-    durations = {sid: s.duration_s or 0.0 for sid, s in plan.subgoals.items()}
-    path_ids, total = critical_path(depends_on, durations)
+    path_ids, total = plan.critical_path()
     on_path = set(pairwise(path_ids))
     where: dict[str, tuple[float, float]] = {}
-    columns = layers(depends_on)
+    columns = plan.layers()
     tallest = max((len(c) for c in columns), default=1)
     for x, ids in enumerate(columns):
         for y, sid in enumerate(ids):
