@@ -64,9 +64,9 @@ def publishable_topics(catalog: TopicCatalog) -> dict[str, str]:
     reads back as input (reward sources and credit assignment are processors whose output is input; plan_diagnosis
     writes SchedulerAdvice and the plans processor ReleaseDelivered to plan_events)."""
     outputs = {schema: spec.name for spec in catalog.by_role(TopicRole.OUTPUT) for schema in spec.schemas}
-    outputs[REWARD] = catalog.for_schema(REWARD).name
-    outputs[SCHEDULER_ADVICE] = catalog.for_schema(SCHEDULER_ADVICE).name  # plan_diagnosis advises the scheduler
-    outputs[RELEASE_DELIVERED] = catalog.for_schema(RELEASE_DELIVERED).name  # the plans processor marks a release sent
+    outputs.update(
+        {schema: catalog.for_schema(schema).name for schema in (REWARD, SCHEDULER_ADVICE, RELEASE_DELIVERED)}
+    )
     return outputs
 
 

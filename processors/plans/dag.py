@@ -486,16 +486,14 @@ class PlanScheduler:
         if at > self.now:
             self.now = at
         while self._timers and self._timers[0][0] <= self.now:
-            due, _, kind, session_id, plan_id, subgoal_id, attempt = heapq.heappop(self._timers)
-            plan = self._plans.get((session_id, plan_id))
-            node = plan.nodes[subgoal_id] if plan is not None else None
-            if node is None or node.attempt != attempt:
-                continue  # a timer of a finished plan, or of an attempt since replaced
-            if kind == "retry" and node.state is NodeState.BACKOFF:
+            timer = heapq.heappop(self._timers)
+            if not self._timer_matters(timer):
+                continue  # of a finished plan, of an attempt since replaced, or pushed back by a later sign of life
+            _, _, kind, session_id, plan_id, subgoal_id, _ = timer
+            node = self._plans[(session_id, plan_id)].nodes[subgoal_id]
+            if kind == "retry":
                 self._make_ready(node)
-            elif (
-                kind == "deadline" and node.state in LIVE and due == node.last_seen + node.deadline_us
-            ):  # not pushed back by a later sign of life
+            else:
                 out.append(self._decision(node, SUBGOAL_TIMED_OUT, "timed_out", {
                     "attempt": node.attempt, "last_seen_at": node.last_seen,
                     "deadline_s": float(node.spec["deadline_s"]), "decided_at": self.now,

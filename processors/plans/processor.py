@@ -38,7 +38,7 @@ import faust
 from processors.plans import recovery
 from processors.plans.dag import Decision, PlanRefused, PlanScheduler
 from streams.runtime.processor import InputEvent, ProcessingContext
-from streams.sdk.batching import key_hash
+from streams.sdk.batching import default_partition
 from topics.admin import ensure_topics
 from topics.catalog import TopicCatalog, work_topic_spec
 from topics.codec import AvroCodec, DeadLetterStage
@@ -171,7 +171,7 @@ class PlansProcessor:
             partitions = await self._work_topic(record["resource_class"])
             if not fold.already_sent(topic, record["decision_id"]):
                 value = ctx.codec.encode(SUBGOAL_RELEASED, record)
-                await ctx.send(topic, key, value, key_hash(key) % partitions)
+                await ctx.send(topic, key, value, default_partition(key, partitions))
             if fold.marked is None or record["decision_id"] not in fold.marked:
                 await self._mark_delivered(record, ctx)
         if not fold.already_sent(self.catalog["plan_decisions"].name, record["decision_id"]):

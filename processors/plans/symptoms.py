@@ -9,6 +9,7 @@ reads a clock. `PlanDiagnosis` is the runtime around them; docs/plans.md has the
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 MICROS = 1_000_000
 
 
+@functools.lru_cache(maxsize=4096)  # every status and failure of a subgoal hashes the same params again
 def params_hash(params_json: str) -> str:
     """16 hex digits of SHA-256 over the canonical params (keys sorted, no spaces), so `{"b":1, "a":2}` and
     `{"a": 2, "b": 1}` are one action; text that is not JSON is hashed as it is."""
