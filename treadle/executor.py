@@ -8,7 +8,6 @@ says so once and advertises its budget alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 from streams.sdk.executor import AttemptContext, ExecutorConfig, Handler
@@ -57,18 +56,7 @@ class Executor(_SdkExecutor):
 
     stream_class: ClassVar[type[_SdkStream]] = AgentStream
     sync_stream_class: ClassVar[type[_SdkStreamSync]] = AgentStreamSync
-
-    def __init__(
-        self,
-        resource_class: str | None = None,
-        handler: Handler | None = None,
-        settings: Any = None,
-        *,
-        gpu_free_mb: Callable[[], int | None] | None = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(resource_class, handler, settings, gpu_free_mb=gpu_free_mb, **options)
-        self._nvml: NvmlFreeMemory | None = None
+    _nvml: NvmlFreeMemory | None = None  # opened by start() for an executor with a GPU budget
 
     async def start(self) -> Executor:
         if self.gpu_free_mb is None and (self.config.gpu_memory_mb > 0 or self.config.gpus > 0):

@@ -121,14 +121,7 @@ class _Emitter:
             if self._owns_producer:
                 await self._producer.start()
             for topic in dict.fromkeys(self._topics[schema] for schema in self._start_schemas):
-                try:
-                    partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
-                except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
-                    raise StreamError(
-                        f"topic {topic} not found on {self.settings.kafka_bootstrap_servers}: create the topics "
-                        "first (`treadle up`, or topics.admin.ensure_topics)"
-                    ) from None
-                self._partition_counts[topic] = len(partitions)
+                self._partition_counts[topic] = await self._partitions_of(topic)
             self._batcher = PartitionBatcher.for_producer(self._producer)
             if self.settings.spool_dir is not None:
                 name = re.sub(r"[^A-Za-z0-9_.-]", "_", self.agent_id) or "agent"
@@ -549,6 +542,17 @@ class _Emitter:
         if value is not None and error is not None:
             self._failures.append(self._failed_event(value, error))
 
+    async def _partitions_of(self, topic: str) -> int:
+        assert self._producer is not None
+        try:
+            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
+        except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
+            raise StreamError(
+                f"topic {topic} not found on {self.settings.kafka_bootstrap_servers}: create the topics first "
+                "(`treadle up`, or topics.admin.ensure_topics)"
+            ) from None
+        return len(partitions)
+
     async def _emit_plan_event(self, schema: str, record: dict[str, Any]) -> None:
         """Send one PlanSubmitted, SubgoalStatus or ExecutorHeartbeat to plan_events, keyed PLAN_EVENTS_KEY."""
         self._check_ready()
@@ -556,12 +560,7 @@ class _Emitter:
         encoded = self._encode(schema, record)
         topic = self._topics[schema]
         if topic not in self._partition_counts:  # an AgentStream learns plan_events' partitions on its first plan
-            assert self._producer is not None
-            try:
-                partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
-                self._partition_counts[topic] = len(partitions)
-            except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
-                raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)") from None
+            self._partition_counts[topic] = await self._partitions_of(topic)
         if "envelope" in record:
             self._seq += 1
         if (waiting := self._send(schema, record, encoded, _PLAN_KEY)) is not None:

@@ -36,7 +36,6 @@ from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 
 from streams.sdk.emitter import (
     _Emitter,
@@ -45,7 +44,6 @@ from streams.sdk.llm_calls import LlmCallFields, openai_llm_calls
 from streams.sdk.outcomes import Outcome, OutcomeWatcher
 from streams.sdk.plans import Subgoal, plan_subgoals
 from streams.sdk.types import (
-    _METADATA_TIMEOUT_S,
     _TOOL_STATUSES,
     DEFAULT_DELIVERY_TIMEOUT_S,
     Annotator,
@@ -54,7 +52,6 @@ from streams.sdk.types import (
     NodeLike,
     ProducerError,
     StepRef,
-    StreamError,
     ToolCall,
     ToolStatus,
     _attrs,
@@ -613,14 +610,6 @@ class AgentStream(_Emitter):
                 await watcher.start({topic: await self._partitions_of(topic) for topic in watcher.topics})
                 self._watcher = watcher
         return self._watcher
-
-    async def _partitions_of(self, topic: str) -> int:
-        assert self._producer is not None
-        try:
-            partitions = await asyncio.wait_for(self._producer.partitions_for(topic), _METADATA_TIMEOUT_S)
-        except (TimeoutError, KafkaTimeoutError, UnknownTopicOrPartitionError):
-            raise StreamError(f"topic {topic} not found: create the topics first (`treadle up`)") from None
-        return len(partitions)
 
     async def close(self, timeout: float | None = None) -> None:
         """Flush, stop the producer if this stream created it, and stop reading outcomes."""
