@@ -168,7 +168,7 @@ class PlansProcessor:
         record, key = decision.record, decision.key.encode()
         if decision.schema == SUBGOAL_RELEASED:
             topic = record["work_topic"]
-            partitions = await self._work_topic(record["resource_class"])
+            partitions = self._work_partitions.get(topic) or await self._work_topic(record["resource_class"])
             if not fold.already_sent(topic, record["decision_id"]):
                 value = ctx.codec.encode(SUBGOAL_RELEASED, record)
                 await ctx.send(topic, key, value, default_partition(key, partitions))
@@ -186,16 +186,14 @@ class PlansProcessor:
         await ctx.publish(RELEASE_DELIVERED, marker, key=PLAN_EVENTS_KEY.encode())
 
     async def _work_topic(self, resource_class: str) -> int:
-        """The partition count of the class's work topic, made if missing (cached once seen)."""
-        assert self.catalog is not None and self.settings is not None
+        """The partition count of the class's work topic, made if missing (then cached by name)."""
+        assert self.settings is not None
         spec = work_topic_spec(self.settings, resource_class)
-        partitions = self._work_partitions.get(spec.name)
-        if partitions is None:
-            (state,) = await ensure_topics([spec], self.settings.kafka_bootstrap_servers)
-            partitions = self._work_partitions[spec.name] = state.partitions
-            if state.created:
-                log.info("made work topic %s (%d partitions) for resource class %r", spec.name, partitions,
-                         resource_class)  # fmt: skip
+        (state,) = await ensure_topics([spec], self.settings.kafka_bootstrap_servers)
+        partitions = self._work_partitions[spec.name] = state.partitions
+        if state.created:
+            log.info("made work topic %s (%d partitions) for resource class %r", spec.name, partitions,
+                     resource_class)  # fmt: skip
         return partitions
 
     async def _refuse(self, event: InputEvent, exc: PlanRefused, ctx: ProcessingContext) -> None:
