@@ -75,9 +75,14 @@ def exported(stack: Settings, tmp_path_factory: pytest.TempPathFactory):
                 "SELECT count(), countIf(has(reward_components.source, 'credit')) FROM transitions_latest",
             )
             _, llm = run_sql(settings, "SELECT count() FROM llm_calls_latest")
-            return rows == [[steps, steps]] and llm == [[calls]]
+            _, ends = run_sql(  # the trajectories read the episode ends, which sink on their own
+                settings,
+                "SELECT count() FROM raw_events_latest WHERE kind = 'lifecycle' "
+                "AND JSONExtractString(payload_json, 'kind') = 'EPISODE_ENDED'",
+            )
+            return rows == [[steps, steps]] and llm == [[calls]] and ends == [[SESSIONS * EPISODES]]
 
-        wait_for(woven, 120, "every step woven with its credit share, every LLM call sunk")
+        wait_for(woven, 120, "every step woven with its credit share, every LLM call and episode end sunk")
         yield settings
     finally:
         worker.stop()
