@@ -6,17 +6,16 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable
 from datetime import UTC, datetime
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from topics.settings import Settings
+from treadle.cli_errors import UserError, friendly
 
 if TYPE_CHECKING:
     from processors.steps.policy import RewardPolicy
@@ -24,65 +23,6 @@ if TYPE_CHECKING:
 app = typer.Typer(help="treadle: the data plane for agentic RL.", no_args_is_help=True, add_completion=False)
 console = Console()
 err = Console(stderr=True)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from aiokafka.errors import KafkaConnectionError
-
-    from processors.steps.policy import PolicyError
-    from sinks.clickhouse import ClickHouseUnavailableError
-    from sinks.sql_auth import SqlExposureError
-    from sinks.sql_client import QueryFailedError
-    from sinks.sql_guard import ReadOnlyQueryError
-    from sinks.variants import VariantError
-    from streams.runtime.plugins import PluginError
-    from streams.runtime.processes import StackError
-    from topics.admin import TopicMismatchError
-    from topics.registry import IncompatibleSchemaError
-    from topics.settings import InvalidSettingError
-    from topics.tool_schemas import InvalidParamsError
-    from treadle.export_command import ExportOptionError
-    from treadle.reports.eval_report import ReportError
-    from treadle.reweave import ReweaveError
-
-    return (
-        UserError,
-        StackError,
-        TopicMismatchError,
-        IncompatibleSchemaError,
-        InvalidParamsError,
-        ReadOnlyQueryError,
-        QueryFailedError,
-        SqlExposureError,
-        ClickHouseUnavailableError,
-        KafkaConnectionError,
-        PluginError,
-        PolicyError,
-        ReportError,
-        InvalidSettingError,
-        ExportOptionError,
-        ReweaveError,
-        VariantError,
-    )
-
-
-def friendly(fn: F) -> F:
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except _user_errors() as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def settings() -> Settings:

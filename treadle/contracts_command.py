@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import json
 import sys
 from collections.abc import Callable, Mapping
@@ -24,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from topics.settings import Settings
+from treadle.cli_errors import friendly
 
 if TYPE_CHECKING:
     from topics.contracts import Contract
@@ -47,50 +47,26 @@ class _NoContracts(Exception):
     """Stands in for ContractError where the CEL engine is not installed (nothing raises it then)."""
 
 
-_ONE_LINE_ERRORS = (
-    ("aiokafka.errors", "KafkaConnectionError"),
-    ("sinks.clickhouse", "ClickHouseUnavailableError"),
-    ("sinks.sql_client", "QueryFailedError"),
-    ("treadle.reports.eval_report", "ReportError"),
-    ("treadle.state.history", "StateNotFoundError"),
-)
-
-
-def _error_classes() -> tuple[type[Exception], tuple[type[BaseException], ...]]:
-    """(ContractError, the errors printed as one line), from the modules this install has."""
-    found: list[type[BaseException]] = [ProvenanceError, OSError]
-    for module, name in _ONE_LINE_ERRORS:
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except ModuleNotFoundError:
-            continue
+def _contract_error() -> type[Exception]:
     try:
         from topics.contracts import ContractError
     except ModuleNotFoundError:  # the CEL engine comes with the worker extra; provenance does without it
-        return _NoContracts, tuple(found)
-    return ContractError, tuple(found)
+        return _NoContracts
+    return ContractError
 
 
 def _one_line(fn: F) -> F:
-    """A user mistake or an unreachable service prints one `error:` line and exits 1 (as treadle.cli does)."""
+    """As treadle.cli_errors.friendly, and a refused contract prints each of its reasons."""
 
+    @friendly
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        contract_error, one_line = _error_classes()
         try:
             return fn(*args, **kwargs)
-        except contract_error as exc:
+        except _contract_error() as exc:
             err.print(f"[red]error:[/red] contract {exc.name!r} refused:", highlight=False, soft_wrap=True)
             for reason in exc.reasons:
                 err.print(f"  - {reason}", highlight=False, markup=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except one_line as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-        except ModuleNotFoundError as exc:
-            err.print(f"[red]error:[/red] this command needs the module {exc.name!r}: pip install 'treadle[all]'",
-                      highlight=False, soft_wrap=True)  # fmt: skip
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
