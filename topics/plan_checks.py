@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -92,3 +93,33 @@ def find_cycle(depends_on: dict[str, list[str]]) -> list[str]:
                 path.append(nxt)
                 stack.append(iter(depends_on[nxt]))
     return []
+
+
+@dataclass(frozen=True, order=True)
+class Resources:
+    """GPU memory (MiB), whole GPUs and CPU slots: a profile needed or a capacity free."""
+
+    gpu_memory_mb: int = 0
+    gpus: int = 0
+    cpu: int = 0
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> Resources:
+        return cls(int(record.get("gpu_memory_mb", 0)), int(record.get("gpus", 0)), int(record.get("cpu", 0)))
+
+    def covers(self, need: Resources) -> bool:
+        return self.gpu_memory_mb >= need.gpu_memory_mb and self.gpus >= need.gpus and self.cpu >= need.cpu
+
+    def __sub__(self, other: Resources) -> Resources:
+        return Resources(self.gpu_memory_mb - other.gpu_memory_mb, self.gpus - other.gpus, self.cpu - other.cpu)
+
+    def __add__(self, other: Resources) -> Resources:
+        return Resources(self.gpu_memory_mb + other.gpu_memory_mb, self.gpus + other.gpus, self.cpu + other.cpu)
+
+    def record(self) -> dict[str, int]:
+        return {"gpu_memory_mb": self.gpu_memory_mb, "gpus": self.gpus, "cpu": self.cpu}
+
+
+def attempt_key(session_id: str, plan_id: str, subgoal_id: str, attempt: int) -> str:
+    """How heartbeats name an attempt in `running`: session_id/plan_id/subgoal_id/attempt."""
+    return f"{session_id}/{plan_id}/{subgoal_id}/{attempt}"

@@ -38,7 +38,7 @@ from topics.names import (
     SUBGOAL_STATUS,
     SUBGOAL_TIMED_OUT,
 )
-from topics.plan_checks import PlanRefused, validate_plan  # shared with the SDK's submit_plan
+from topics.plan_checks import PlanRefused, Resources, attempt_key, validate_plan  # shared with the SDK
 
 MICROS = 1_000_000
 TIMEOUT = "timeout"
@@ -51,31 +51,6 @@ class Decision:
     schema: str
     key: str
     record: dict[str, Any]
-
-
-@dataclass(frozen=True, order=True)
-class Resources:
-    """GPU memory (MiB), whole GPUs and CPU slots: a profile needed or a capacity free."""
-
-    gpu_memory_mb: int = 0
-    gpus: int = 0
-    cpu: int = 0
-
-    @classmethod
-    def of(cls, record: dict[str, Any]) -> Resources:
-        return cls(int(record.get("gpu_memory_mb", 0)), int(record.get("gpus", 0)), int(record.get("cpu", 0)))
-
-    def covers(self, need: Resources) -> bool:
-        return self.gpu_memory_mb >= need.gpu_memory_mb and self.gpus >= need.gpus and self.cpu >= need.cpu
-
-    def __sub__(self, other: Resources) -> Resources:
-        return Resources(self.gpu_memory_mb - other.gpu_memory_mb, self.gpus - other.gpus, self.cpu - other.cpu)
-
-    def __add__(self, other: Resources) -> Resources:
-        return Resources(self.gpu_memory_mb + other.gpu_memory_mb, self.gpus + other.gpus, self.cpu + other.cpu)
-
-    def record(self) -> dict[str, int]:
-        return {"gpu_memory_mb": self.gpu_memory_mb, "gpus": self.gpus, "cpu": self.cpu}
 
 
 class NodeState(StrEnum):
@@ -174,7 +149,8 @@ class _Executor:
     running: frozenset[str]
     sent_at: int
     expires_at: int
-    capacity: Resources = Resources()  # as far as the scheduler can tell: free plus the attempts listed, when sent
+    # as far as the scheduler can tell: free plus the attempts listed, when sent
+    capacity: Resources = field(default_factory=Resources)
 
 
 @dataclass
@@ -211,11 +187,6 @@ class _ReadyQueue:
     def clear(self) -> None:
         self.by_profile.clear()
         self.by_age.clear()
-
-
-def attempt_key(session_id: str, plan_id: str, subgoal_id: str, attempt: int) -> str:
-    """How heartbeats name an attempt in `running`: session_id/plan_id/subgoal_id/attempt."""
-    return f"{session_id}/{plan_id}/{subgoal_id}/{attempt}"
 
 
 class PlanScheduler:

@@ -53,6 +53,7 @@ from topics.catalog import work_topic_spec
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 from topics.names import EXECUTOR_HEARTBEAT, PLAN_INPUT_SCHEMAS, SUBGOAL_RELEASED, SUBGOAL_STATUS
+from topics.plan_checks import Resources
 from topics.settings import Settings
 from topics.tool_schemas import ToolSchemas
 
@@ -112,25 +113,9 @@ class ExecutorConfig:
         if not (self.heartbeat_interval_s > 0 and self.valid_for_s > 0 and self.stop_timeout_s >= 0):
             raise ValueError("heartbeat_interval_s and valid_for_s must be positive, stop_timeout_s >= 0")
 
-
-@dataclass(frozen=True)
-class _Amounts:
-    gpu_memory_mb: int = 0
-    gpus: int = 0
-    cpu: int = 0
-
-    def __add__(self, other: _Amounts) -> _Amounts:
-        return _Amounts(self.gpu_memory_mb + other.gpu_memory_mb, self.gpus + other.gpus, self.cpu + other.cpu)
-
-    def __sub__(self, other: _Amounts) -> _Amounts:
-        return _Amounts(self.gpu_memory_mb - other.gpu_memory_mb, self.gpus - other.gpus, self.cpu - other.cpu)
-
-    def covers(self, need: _Amounts) -> bool:
-        return self.gpu_memory_mb >= need.gpu_memory_mb and self.gpus >= need.gpus and self.cpu >= need.cpu
-
-    @classmethod
-    def of(cls, work: SubgoalWork) -> _Amounts:
-        return cls(work.profile.gpu_memory_mb, work.profile.gpus, work.profile.cpu)
+    @property
+    def budget(self) -> Resources:
+        return Resources(self.gpu_memory_mb, self.gpus, self.cpu)
 
 
 def free_capacity(config: ExecutorConfig, held: list[SubgoalWork], gpu_free_mb: int | None) -> tuple[int, int, int]:
@@ -138,8 +123,7 @@ def free_capacity(config: ExecutorConfig, held: list[SubgoalWork], gpu_free_mb: 
     below 0), GPU memory capped by what the device reports free; all 0 once `max_concurrent` attempts are held."""
     if config.max_concurrent is not None and len(held) >= config.max_concurrent:
         return 0, 0, 0
-    budget = _Amounts(config.gpu_memory_mb, config.gpus, config.cpu)
-    left = budget - sum((_Amounts.of(w) for w in held), _Amounts())
+    left = config.budget - sum((w.resources for w in held), Resources())
     memory = max(0, left.gpu_memory_mb)
     if gpu_free_mb is not None:
         memory = min(memory, max(0, gpu_free_mb))
@@ -439,8 +423,7 @@ class Executor:
         self._seen[key] = None
         if len(self._seen) > _SEEN_ATTEMPTS:
             self._seen.popitem(last=False)
-        budget = _Amounts(self.config.gpu_memory_mb, self.config.gpus, self.config.cpu)
-        if not budget.covers(_Amounts.of(work)):
+        if not self.config.budget.covers(work.resources):
             await self._report_failed(work, OVER_CAPACITY, f"its profile {work.profile} exceeds this executor's budget")
             return
         self._held[key] = work
@@ -465,8 +448,7 @@ class Executor:
         running = [self._held[key] for key in self._running]
         if self.config.max_concurrent is not None and len(running) >= self.config.max_concurrent:
             return False
-        budget = _Amounts(self.config.gpu_memory_mb, self.config.gpus, self.config.cpu)
-        return (budget - sum((_Amounts.of(w) for w in running), _Amounts())).covers(_Amounts.of(work))
+        return (self.config.budget - sum((w.resources for w in running), Resources())).covers(work.resources)
 
     # -- running one attempt -------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from topics.plan_checks import validate_plan
+from topics.plan_checks import Resources, attempt_key, validate_plan
 
 RESOURCE_CLASS_PATTERN = r"^[A-Za-z0-9._-]{1,200}$"  # it names a Kafka topic, <prefix>.work.<resource_class>
 MICROS = 1_000_000
@@ -140,7 +140,12 @@ class SubgoalWork(BaseModel):
     @property
     def attempt_key(self) -> str:
         """How heartbeats and the scheduler name the attempt: session_id/plan_id/subgoal_id/attempt."""
-        return f"{self.session_id}/{self.plan_id}/{self.subgoal_id}/{self.attempt}"
+        return attempt_key(self.session_id, self.plan_id, self.subgoal_id, self.attempt)
+
+    @property
+    def resources(self) -> Resources:
+        """What the attempt holds of an executor's budget while it runs."""
+        return Resources(self.profile.gpu_memory_mb, self.profile.gpus, self.profile.cpu)
 
     @property
     def expires_at(self) -> int:
