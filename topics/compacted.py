@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 
-async def partition_ids(bootstrap_servers: str, topic: str) -> list[int]:
-    # A consumer only knows partitions of topics it subscribed to, so ask the cluster.
+async def topic_partitions(bootstrap_servers: str, topics: Sequence[str]) -> list[TopicPartition]:
+    """Every partition of the `topics` that exist, by topic then partition, from one request to the cluster.
+
+    A consumer only knows the partitions of topics it subscribed to, so the cluster is asked."""
+    if not topics:
+        return []
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:
-        described = await admin.describe_topics([topic])
+        described = await admin.describe_topics(list(topics))
     finally:
         await admin.close()
-    return sorted(p["partition"] for d in described if d["error_code"] == 0 for p in d["partitions"])
+    found = {d["topic"]: sorted(p["partition"] for p in d["partitions"]) for d in described if d["error_code"] == 0}
+    return [TopicPartition(t, p) for t in topics for p in found.get(t, ())]
 
 
 async def read_to_end(bootstrap_servers: str, topic: str) -> list[tuple[bytes | None, bytes]]:
@@ -23,7 +30,7 @@ async def read_to_end(bootstrap_servers: str, topic: str) -> list[tuple[bytes | 
     await consumer.start()
     records: list[tuple[bytes | None, bytes]] = []
     try:
-        partitions = [TopicPartition(topic, p) for p in await partition_ids(bootstrap_servers, topic)]
+        partitions = await topic_partitions(bootstrap_servers, [topic])
         if not partitions:
             return records
         consumer.assign(partitions)

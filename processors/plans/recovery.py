@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from topics.codec import AvroCodec, DecodeError
-from topics.compacted import partition_ids
+from topics.compacted import topic_partitions
 from topics.names import PLAN_DECISION_SCHEMAS, RELEASE_DELIVERED
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ async def sent_decision_ids(
     """The decision_id of every record on `topics` written at or after `since_ms` (less CLOCK_SKEW_MS), per topic."""
     found: dict[str, set[str]] = {topic: set() for topic in topics}
     unreadable: dict[str, int] = {}
-    partitions = [TopicPartition(t, p) for t in topics for p in await partition_ids(bootstrap_servers, t)]
+    partitions = await topic_partitions(bootstrap_servers, topics)
     if not partitions:
         return found
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False, max_poll_records=2000)
