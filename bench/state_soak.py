@@ -115,12 +115,13 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> list[Sample]:
     return samples
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.state_soak", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of paced load (10)")
     parser.add_argument("--rate", type=float, default=2000.0, help="deltas (steps of 3 events) per second (2,000)")
     parser.add_argument("--sessions", type=int, default=500, help="sessions the steps spread over (500)")
     parser.add_argument("--working-set", type=int, default=64, help="steps' nodes a session keeps updating (64)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 unless every event's StateVersion came out")
     args = parser.parse_args(argv)
     print(machine_facts())
     print(f"state soak: {args.rate:,.0f} deltas/s ({3 * args.rate:,.0f} events/s) for {args.minutes:g} min over "
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     rss = [s.rss_mb for s in samples if s.rss_mb is not None]
     print(f"worker RSS: first {rss[0]:.0f} MB, peak {max(rss):.0f} MB, last {rss[-1]:.0f} MB; slope over the second "
           f"half {'n/a' if slope is None else f'{slope:+.2f} MB/min'}; load {loadavg()}")  # fmt: skip
+    return 1 if args.strict and last.versions < last.sent_events else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
