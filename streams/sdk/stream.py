@@ -138,8 +138,7 @@ class AgentStream(_Emitter):
         Returns once the event is handed to the producer; the broker's ack is awaited by `flush()`.
         `deadline`: absolute datetime, timedelta from now, or UTC micros.
         """
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         self.tool_schemas.validate(tool, params)
         try:
             params_json = _params_json(params)
@@ -200,8 +199,7 @@ class AgentStream(_Emitter):
         event_time: int | None = None,
     ) -> str:
         """Record a tool's outcome explicitly; latency defaults to the time since the dispatch. Returns its event_id."""
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         return await self._tool_result(
             step,
             _member(ToolStatus, _TOOL_STATUSES, status),
@@ -258,8 +256,7 @@ class AgentStream(_Emitter):
         """Emit a finished ToolCall. While the tool's own exception is `in_flight`, a failure here must not
         replace it: an undelivered event is kept for the next call / flush, anything else becomes a note on it."""
         if in_flight is None:
-            self._check_ready()
-            self._surface_failures()
+            self._ready_to_send()
         assert call.status is not None
         try:
             await self._tool_result(
@@ -334,8 +331,7 @@ class AgentStream(_Emitter):
         event_time: int | None = None,
     ) -> str:
         """Emit a state-graph change; tied to `step_ref` if given, else its logical_event_id is its own event_id."""
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         event_id = uuid7()
         record = {
             "envelope": self._envelope(
@@ -378,8 +374,7 @@ class AgentStream(_Emitter):
         EPISODE_ENDED may carry the episode's `reward` (spread over its steps by the credit processor);
         `steps` defaults to the dispatches this stream made in the episode, which credit waits for.
         """
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         kind = LifecycleKind(kind)
         switching = bool(episode_id) and episode_id != self.episode_id
         if steps is None and kind is LifecycleKind.EPISODE_ENDED and not switching:
@@ -525,8 +520,7 @@ class AgentStream(_Emitter):
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> str:
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         event_id = uuid7()
         record = {
             "envelope": self._step_envelope(step, event_id, attributes, event_time),
