@@ -87,6 +87,7 @@ class _Emitter:
         # must visit, and the record is decoded from them only when the event fails (FailedEvent.record).
         self._pending: dict[int, bytes] = {}
         self._batches: dict[Batch, None] = {}  # the batches holding pending events (what flush waits for)
+        self._forget_above = _KEPT_BATCHES  # forget finished batches when more than this many are kept
         # (monotonic time, first token sent at or after it), one per _CHECKPOINT_S of sending: delivery timeouts
         # are checked against these instead of a timestamp per event
         self._checkpoints: deque[tuple[float, int]] = deque()
@@ -525,8 +526,10 @@ class _Emitter:
     def _checkpoint(self, now: float, token: int) -> None:
         self._checkpoints.append((now, token))
         self._next_checkpoint = now + _CHECKPOINT_S
-        if len(self._batches) > _KEPT_BATCHES:
-            self._forget_done_batches()  # so a stream that never flushes does not keep every batch
+        if len(self._batches) > self._forget_above:  # so a stream that never flushes does not keep every batch
+            self._forget_done_batches()
+            # the next look once twice as many are kept: each look costs a pass over them, so not at every checkpoint
+            self._forget_above = max(_KEPT_BATCHES, 2 * len(self._batches))
 
     async def _send_when_room(
         self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
@@ -580,7 +583,7 @@ class _Emitter:
         if (waiting := self._send(schema, record, encoded, _PLAN_KEY)) is not None:
             await waiting
 
-    async def _emit_reward(
+    def _reward_event(
         self,
         target: StepRef | str,
         value: float,
@@ -596,7 +599,9 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
         event_id: str | None = None,
-    ) -> str:
+    ) -> tuple[str, Coroutine[Any, Any, None] | None]:
+        """Check, build, encode and hand over a RewardSignal: its event_id, and what to await when the partition's
+        batch was full (None almost always). Not a coroutine itself: one per reward fewer."""
         self._ready_to_send()
         if event_id is not None and not (isinstance(event_id, str) and event_id):
             raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
@@ -632,6 +637,4 @@ class _Emitter:
         }
         encoded = self._encode(REWARD, record)
         self._seq += 1
-        if (waiting := self._send(REWARD, record, encoded)) is not None:
-            await waiting
-        return event_id
+        return event_id, self._send(REWARD, record, encoded)
