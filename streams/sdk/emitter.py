@@ -87,6 +87,7 @@ class _Emitter:
         # must visit, and the record is decoded from them only when the event fails (FailedEvent.record).
         self._pending: dict[int, bytes] = {}
         self._batches: dict[Batch, None] = {}  # the batches holding pending events (what flush waits for)
+        self._forget_above = _KEPT_BATCHES  # forget finished batches when more than this many are kept
         # (monotonic time, first token sent at or after it), one per _CHECKPOINT_S of sending: delivery timeouts
         # are checked against these instead of a timestamp per event
         self._checkpoints: deque[tuple[float, int]] = deque()
@@ -254,6 +255,14 @@ class _Emitter:
             raise StreamError("the stream is closed")
         if not self._started:
             raise StreamError("the stream is not started: `await stream.start()` or `async with`")
+
+    def _ready_to_send(self) -> None:
+        """`_check_ready` and `_surface_failures` in one call, the common case (started, nothing to report) first:
+        every event pays for it."""
+        if self._closed or not self._started:
+            self._check_ready()
+        if self._failures or ((c := self._checkpoints) and c[0][0] < time.monotonic() - self._stale_after_s):
+            self._surface_failures()
 
     def _surface_failures(self) -> None:
         """Raise what went wrong in the background since the last call, before this call sends anything."""
@@ -500,18 +509,27 @@ class _Emitter:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
         if batch is None:
             return self._send_when_room(schema, record, topic, partition, key, value, token)
-        self._track(token, value, batch)
-        return None
-
-    def _track(self, token: int, value: bytes, batch: Batch) -> None:
-        """Remember a handed-over event until its batch's outcome is told (_on_delivered)."""
+        # _track, inline: once per event
         self._pending[token] = value
         self._batches[batch] = None
         if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
-            self._checkpoints.append((now, token))
-            self._next_checkpoint = now + _CHECKPOINT_S
-            if len(self._batches) > _KEPT_BATCHES:
-                self._forget_done_batches()  # so a stream that never flushes does not keep every batch
+            self._checkpoint(now, token)
+        return None
+
+    def _track(self, token: int, value: bytes, batch: Batch) -> None:
+        """Remember a handed-over event until its batch's outcome is told (_on_delivered); `_send` inlines it."""
+        self._pending[token] = value
+        self._batches[batch] = None
+        if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
+            self._checkpoint(now, token)
+
+    def _checkpoint(self, now: float, token: int) -> None:
+        self._checkpoints.append((now, token))
+        self._next_checkpoint = now + _CHECKPOINT_S
+        if len(self._batches) > self._forget_above:  # so a stream that never flushes does not keep every batch
+            self._forget_done_batches()
+            # the next look once twice as many are kept: each look costs a pass over them, so not at every checkpoint
+            self._forget_above = max(_KEPT_BATCHES, 2 * len(self._batches))
 
     async def _send_when_room(
         self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
@@ -555,8 +573,7 @@ class _Emitter:
 
     async def _emit_plan_event(self, schema: str, record: dict[str, Any]) -> None:
         """Send one PlanSubmitted, SubgoalStatus or ExecutorHeartbeat to plan_events, keyed PLAN_EVENTS_KEY."""
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         encoded = self._encode(schema, record)
         topic = self._topics[schema]
         if topic not in self._partition_counts:  # an AgentStream learns plan_events' partitions on its first plan
@@ -566,7 +583,7 @@ class _Emitter:
         if (waiting := self._send(schema, record, encoded, _PLAN_KEY)) is not None:
             await waiting
 
-    async def _emit_reward(
+    def _reward_event(
         self,
         target: StepRef | str,
         value: float,
@@ -582,9 +599,10 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
         event_id: str | None = None,
-    ) -> str:
-        self._check_ready()
-        self._surface_failures()
+    ) -> tuple[str, Coroutine[Any, Any, None] | None]:
+        """Check, build, encode and hand over a RewardSignal: its event_id, and what to await when the partition's
+        batch was full (None almost always). Not a coroutine itself: one per reward fewer."""
+        self._ready_to_send()
         if event_id is not None and not (isinstance(event_id, str) and event_id):
             raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
         if isinstance(target, StepRef):
@@ -619,6 +637,4 @@ class _Emitter:
         }
         encoded = self._encode(REWARD, record)
         self._seq += 1
-        if (waiting := self._send(REWARD, record, encoded)) is not None:
-            await waiting
-        return event_id
+        return event_id, self._send(REWARD, record, encoded)

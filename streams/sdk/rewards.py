@@ -71,7 +71,7 @@ class RewardEmitter(_Emitter):
 
         `event_id`: give one derived from what was judged (e.g. a uuid5) when the same reward may be emitted again,
         by a re-run or a retry: the step assembler ignores a duplicate event_id. Default: a fresh uuid7."""
-        return await self._emit_reward(
+        event_id, waiting = self._reward_event(
             target,
             value,
             source=self.source,
@@ -86,6 +86,9 @@ class RewardEmitter(_Emitter):
             event_time=event_time,
             event_id=event_id,
         )
+        if waiting is not None:
+            await waiting
+        return event_id
 
 
 # -- synchronous facades ---------------------------------------------------------------------------

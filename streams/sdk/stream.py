@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -138,8 +138,7 @@ class AgentStream(_Emitter):
         Returns once the event is handed to the producer; the broker's ack is awaited by `flush()`.
         `deadline`: absolute datetime, timedelta from now, or UTC micros.
         """
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         self.tool_schemas.validate(tool, params)
         try:
             params_json = _params_json(params)
@@ -200,9 +199,8 @@ class AgentStream(_Emitter):
         event_time: int | None = None,
     ) -> str:
         """Record a tool's outcome explicitly; latency defaults to the time since the dispatch. Returns its event_id."""
-        self._check_ready()
-        self._surface_failures()
-        return await self._tool_result(
+        self._ready_to_send()
+        event_id, waiting = self._tool_result_event(
             step,
             _member(ToolStatus, _TOOL_STATUSES, status),
             output=output,
@@ -215,8 +213,11 @@ class AgentStream(_Emitter):
             attributes=attributes,
             event_time=event_time,
         )
+        if waiting is not None:
+            await waiting
+        return event_id
 
-    async def _tool_result(
+    def _tool_result_event(
         self,
         step: StepRef,
         status: ToolStatus,
@@ -230,7 +231,9 @@ class AgentStream(_Emitter):
         retries: int,
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
-    ) -> str:
+    ) -> tuple[str, Coroutine[Any, Any, None] | None]:
+        """Check, build, encode and hand over a ToolResult: its event_id, and what to await when the partition's
+        batch was full (None almost always). Not a coroutine itself: one per tool result fewer."""
         if latency_ms is None:
             latency_ms = max(0.0, (now_micros() - step.dispatched_at) / 1000.0) if step.dispatched_at else 0.0
         if (problem := latency_problem(latency_ms := float(latency_ms))) is not None:
@@ -250,19 +253,16 @@ class AgentStream(_Emitter):
         }
         encoded = self._encode(TOOL_RESULT, record)
         self._seq += 1
-        if (waiting := self._send(TOOL_RESULT, record, encoded)) is not None:
-            await waiting
-        return event_id
+        return event_id, self._send(TOOL_RESULT, record, encoded)
 
     async def _emit_tool_call(self, call: ToolCall, in_flight: BaseException | None) -> None:
         """Emit a finished ToolCall. While the tool's own exception is `in_flight`, a failure here must not
         replace it: an undelivered event is kept for the next call / flush, anything else becomes a note on it."""
         if in_flight is None:
-            self._check_ready()
-            self._surface_failures()
+            self._ready_to_send()
         assert call.status is not None
         try:
-            await self._tool_result(
+            _, waiting = self._tool_result_event(
                 call.step,
                 _member(ToolStatus, _TOOL_STATUSES, call.status),
                 output=call.output,
@@ -275,6 +275,8 @@ class AgentStream(_Emitter):
                 attributes=call.attributes,
                 event_time=None,
             )
+            if waiting is not None:
+                await waiting
         except Exception as exc:
             if in_flight is None:
                 raise
@@ -305,7 +307,7 @@ class AgentStream(_Emitter):
         if not isinstance(target, StepRef):
             session_id = session_id or self.session_id
             episode_id = self.episode_id if episode_id is None and session_id == self.session_id else episode_id
-        return await self._emit_reward(
+        event_id, waiting = self._reward_event(
             target,
             value,
             source=source,
@@ -320,6 +322,9 @@ class AgentStream(_Emitter):
             event_time=event_time,
             event_id=event_id,
         )
+        if waiting is not None:
+            await waiting
+        return event_id
 
     async def delta(
         self,
@@ -334,8 +339,7 @@ class AgentStream(_Emitter):
         event_time: int | None = None,
     ) -> str:
         """Emit a state-graph change; tied to `step_ref` if given, else its logical_event_id is its own event_id."""
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         event_id = uuid7()
         record = {
             "envelope": self._envelope(
@@ -378,8 +382,7 @@ class AgentStream(_Emitter):
         EPISODE_ENDED may carry the episode's `reward` (spread over its steps by the credit processor);
         `steps` defaults to the dispatches this stream made in the episode, which credit waits for.
         """
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         kind = LifecycleKind(kind)
         switching = bool(episode_id) and episode_id != self.episode_id
         if steps is None and kind is LifecycleKind.EPISODE_ENDED and not switching:
@@ -525,8 +528,7 @@ class AgentStream(_Emitter):
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> str:
-        self._check_ready()
-        self._surface_failures()
+        self._ready_to_send()
         event_id = uuid7()
         record = {
             "envelope": self._step_envelope(step, event_id, attributes, event_time),
