@@ -5,12 +5,13 @@ costs about a second, more than the query itself. `state_at` hands back these re
 a lookup or an iteration builds (and caches) what it touches, `len` and membership need only the ids, and
 `arrow` gives the columns to code that wants them whole (pandas, polars, a trainer).
 
-Rows a replay inserted twice are the same row twice; the views keep one per node id / edge key.
+Rows a replay inserted twice are the same row twice; the views keep one per node id / edge key. A view can
+also be given a function that reads its table, called on first touch (the two sides of `state_diff`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import orjson
@@ -22,15 +23,33 @@ NODE_COLUMNS = ("node_id", "type", "data_json", "expires_at", "caused_by_tool")
 EDGE_COLUMNS = ("src", "dst", "type", "data_json")
 
 
+TableSource = pa.Table | Callable[[], pa.Table]
+
+
 def _column(table: pa.Table, i: int) -> list[Any]:
     return table.column(i).to_pylist()
 
 
-class ColumnarNodes(Mapping[str, GraphNode]):
+class _Columnar:
+    """The table of a view, read by its function on first touch when it was given one."""
+
+    def __init__(self, table: TableSource) -> None:
+        self._table: pa.Table | None = table if isinstance(table, pa.Table) else None
+        self._read = table if self._table is None else None
+
+    @property
+    def arrow(self) -> pa.Table:
+        if self._table is None:
+            assert self._read is not None
+            self._table, self._read = self._read(), None
+        return self._table
+
+
+class ColumnarNodes(_Columnar, Mapping[str, GraphNode]):
     """node id -> GraphNode over a table with NODE_COLUMNS (in that order)."""
 
-    def __init__(self, table: pa.Table) -> None:
-        self.arrow = table
+    def __init__(self, table: TableSource) -> None:
+        super().__init__(table)
         self._index: dict[str, int] | None = None
         self._columns: list[list[Any]] | None = None
         self._built: dict[str, GraphNode] = {}
@@ -62,14 +81,14 @@ class ColumnarNodes(Mapping[str, GraphNode]):
         return node_id in self._rows()
 
     def __repr__(self) -> str:
-        return f"ColumnarNodes({self.arrow.num_rows} rows)"
+        return "ColumnarNodes(not read yet)" if self._table is None else f"ColumnarNodes({self._table.num_rows} rows)"
 
 
-class ColumnarEdges(Sequence[GraphEdge]):
+class ColumnarEdges(_Columnar, Sequence[GraphEdge]):
     """GraphEdges over a table with EDGE_COLUMNS (in that order), one per (src, dst, type)."""
 
-    def __init__(self, table: pa.Table) -> None:
-        self.arrow = table
+    def __init__(self, table: TableSource) -> None:
+        super().__init__(table)
         self._rows: list[int] | None = None
         self._columns: list[list[Any]] | None = None
         self._built: dict[int, GraphEdge] = {}
@@ -108,4 +127,4 @@ class ColumnarEdges(Sequence[GraphEdge]):
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"ColumnarEdges({self.arrow.num_rows} rows)"
+        return "ColumnarEdges(not read yet)" if self._table is None else f"ColumnarEdges({self._table.num_rows} rows)"

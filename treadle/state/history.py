@@ -147,6 +147,50 @@ def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) 
     return f"SELECT session_id, node_id, type FROM state_node_causes WHERE {where} LIMIT 1 BY session_id, node_id, type"
 
 
+def node_changes_sql(session: str, lo: int, hi: int) -> tuple[str, str]:
+    """Node intervals live at version `lo` and not at `hi` (> lo), and live at `hi` and not at `lo`: what
+    "diff lo..hi" reads, in place of both states.
+
+    An interval live at one and not the other either ended in (lo, hi] having opened by lo, or opened in (lo, hi]
+    and had not ended by hi; both are read by key ranges of one session, and the answer is as large as the
+    change, not the state. Columns and the interval hash as nodes_sql.
+    """
+    s = quote(session)
+    ended = (
+        "SELECT cityHash64(node_id, from_ordinal) FROM state_node_ends "
+        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
+    )
+    columns = "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool "
+    gone = (
+        f"{columns}FROM state_nodes WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(node_id, from_ordinal) IN ({ended} AND from_ordinal <= {lo})"
+    )
+    opened = (
+        f"{columns}FROM state_nodes WHERE session_id = {s} AND from_ordinal > {lo} AND from_ordinal <= {hi} "
+        f"AND cityHash64(node_id, from_ordinal) NOT IN ({ended})"
+    )
+    return gone, opened
+
+
+def edge_changes_sql(session: str, lo: int, hi: int) -> tuple[str, str]:
+    """Edge intervals live at `lo` and not at `hi` (> lo), and live at `hi` and not at `lo` (as node_changes_sql)."""
+    s = quote(session)
+    ended = (
+        "SELECT cityHash64(src, dst, type, from_ordinal) FROM state_edge_ends "
+        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
+    )
+    columns = "SELECT src AS src_lc, dst, type, data_json AS data_lc "
+    gone = (
+        f"{columns}FROM state_edges WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(src, dst, type, from_ordinal) IN ({ended} AND from_ordinal <= {lo})"
+    )
+    opened = (
+        f"{columns}FROM state_edges WHERE session_id = {s} AND from_ordinal > {lo} AND from_ordinal <= {hi} "
+        f"AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
+    )
+    return gone, opened
+
+
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
     """The session's graph at a version or time, from ClickHouse; StateNotFoundError if there is none.
 
@@ -260,3 +304,86 @@ def diff(before: StateGraph, after: StateGraph) -> StateDiff:
         + [edge_after[k] for k in sorted(set(a_edges) & set(b_edges)) if a_edges[k] != b_edges[k]],
         edges_removed=[edge_before[k] for k in sorted(set(a_edges) - set(b_edges))],
     )
+
+
+def state_diff(
+    settings: Settings, session: str, first: str | int | datetime | At, second: str | int | datetime | At
+) -> StateDiff:
+    """diff(state_at(first), state_at(second)) read as the change between them, in one round trip.
+
+    Between two versions (ids or ordinals) only the intervals that differ are read (node_changes_sql), so the
+    cost follows the change, not the state; `before` and `after` read their whole graphs only when touched.
+    A time on either side reads both states and compares them (TTL expiry is not an interval end).
+    """
+    from sinks.sql_client import arrow_batches, run_sql_arrow
+
+    with arrow_batches(settings) as run:
+        return read_diff_arrow(run, session, first, second, lambda sql: run_sql_arrow(settings, sql))
+
+
+def read_diff_arrow(
+    run: ArrowBatchRunner,
+    session: str,
+    first: str | int | datetime | At,
+    second: str | int | datetime | At,
+    read_later: Callable[[str], Any] | None = None,
+) -> StateDiff:
+    """state_diff over any way of running SQL into Arrow tables; `read_later` runs one statement when `before` or
+    `after` is touched (default: `run`, which must then outlive the diff)."""
+    points = [p if isinstance(p, At) else At.parse(session, p) for p in (first, second)]
+    known = [p.ordinal if p.version_id is None else ordinal_of(p.version_id) for p in points]
+    if any(p.time is not None for p in points) or None in known:
+        return diff(read_state_arrow(run, session, first), read_state_arrow(run, session, second))
+    o1, o2 = int(known[0] or 0), int(known[1] or 0)
+    lo, hi = min(o1, o2), max(o1, o2)
+    tables = run(
+        [version_sql(session, points[0]), version_sql(session, points[1]), *node_changes_sql(session, lo, hi),
+         *edge_changes_sql(session, lo, hi)]
+    )  # fmt: skip
+    later = read_later or (lambda sql: run([sql])[0])
+    graphs = []
+    for at, point, table, ordinal in zip((first, second), points, tables[:2], (o1, o2), strict=True):
+        found = _version(_rows(table), session, at, point)
+        if found is None:
+            graphs.append(StateGraph(session, f"{session}.0.genesis", 0, 0))
+            continue
+        assert found[1] == ordinal
+        nodes = ColumnarNodes(lambda o=ordinal: later(nodes_sql(session, o)))
+        graphs.append(StateGraph(session, *found, nodes, ColumnarEdges(lambda o=ordinal: later(edges_sql(session, o)))))
+    nodes_gone, nodes_opened, edges_gone, edges_opened = tables[2:]
+    if o1 > o2:  # read backwards: what is live at `first` only is what opened after the earlier `second`
+        nodes_gone, nodes_opened, edges_gone, edges_opened = nodes_opened, nodes_gone, edges_opened, edges_gone
+    return _change(graphs[0], graphs[1], nodes_gone, nodes_opened, edges_gone, edges_opened)
+
+
+def _change(
+    before: StateGraph, after: StateGraph, nodes_before: Any, nodes_after: Any, edges_before: Any, edges_after: Any
+) -> StateDiff:
+    """The StateDiff of `diff` from the intervals live on one side only (Arrow tables, NODE_/EDGE_COLUMNS)."""
+    a, b = ColumnarNodes(nodes_before), ColumnarNodes(nodes_after)
+    a_edges = {(e.src, e.dst, e.type): e for e in ColumnarEdges(edges_before)}
+    b_edges = {(e.src, e.dst, e.type): e for e in ColumnarEdges(edges_after)}
+    both = sorted(set(a) & set(b))
+    return StateDiff(
+        before=before,
+        after=after,
+        added=[b[i] for i in sorted(set(b) - set(a))],
+        removed=[a[i] for i in sorted(set(a) - set(b))],
+        changed=[(a[i], b[i]) for i in both if _node_content(a[i]) != _node_content(b[i])],
+        edges_added=[b_edges[k] for k in sorted(set(b_edges) - set(a_edges))]
+        + [
+            b_edges[k]
+            for k in sorted(set(a_edges) & set(b_edges))
+            if _canon(a_edges[k].data) != _canon(b_edges[k].data)
+        ],
+        edges_removed=[a_edges[k] for k in sorted(set(a_edges) - set(b_edges))],
+    )
+
+
+def _canon(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _node_content(node: GraphNode) -> tuple[str, bytes]:
+    """What StateGraph.content compares: the type and the canonical data."""
+    return node.type, _canon(node.data)
