@@ -591,6 +591,8 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         want = diff(read_state(run, session, a), read_state(run, session, b))
         got = read_diff_arrow(arrow, session, ids[a], b)
         assert got.to_json() == want.to_json(), f"diff {a}..{b}"
+        whole = diff(read_state_arrow(arrow, session, a), read_state_arrow(arrow, session, b))  # Arrow compare
+        assert whole.to_json() == want.to_json(), f"columnar diff {a}..{b}"
         assert (got.before.content(), got.after.content()) == (want.before.content(), want.after.content())
     with pytest.raises(StateNotFoundError):
         read_diff_arrow(arrow, session, 0, len(ids))

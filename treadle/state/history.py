@@ -11,7 +11,7 @@ the same time, so on two cores the read costs about the slower of the two, not t
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -23,7 +23,7 @@ from processors.state.model import GraphEdge, GraphNode, StateGraph
 from sinks.sql_client import ArrowBatchRunner
 from sinks.sql_params import quote
 from topics.settings import Settings
-from treadle.state.columns import ColumnarEdges, ColumnarNodes
+from treadle.state.columns import ColumnarEdges, ColumnarNodes, edge_changes, node_changes
 
 _ORDINAL = re.compile(r"^\d+$")
 
@@ -259,15 +259,17 @@ def read_state(run: Runner, session: str, at: str | int | datetime | At) -> Stat
 
 @dataclass(frozen=True)
 class StateDiff:
-    """What changed from `before` to `after`: nodes and edges added, removed and changed."""
+    """What changed from `before` to `after`: nodes and edges added, removed and changed, in id / key order (an
+    edge whose data changed is in edges_added, after the new ones). From ClickHouse, the sequences are views over
+    Arrow rows that build objects when touched (treadle/state/columns.py)."""
 
     before: StateGraph
     after: StateGraph
-    added: list[GraphNode] = field(default_factory=list)
-    removed: list[GraphNode] = field(default_factory=list)
-    changed: list[tuple[GraphNode, GraphNode]] = field(default_factory=list)
-    edges_added: list[GraphEdge] = field(default_factory=list)
-    edges_removed: list[GraphEdge] = field(default_factory=list)
+    added: Sequence[GraphNode] = field(default_factory=list)
+    removed: Sequence[GraphNode] = field(default_factory=list)
+    changed: Sequence[tuple[GraphNode, GraphNode]] = field(default_factory=list)
+    edges_added: Sequence[GraphEdge] = field(default_factory=list)
+    edges_removed: Sequence[GraphEdge] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         def node(n: GraphNode) -> dict[str, Any]:
@@ -288,6 +290,10 @@ class StateDiff:
 
 
 def diff(before: StateGraph, after: StateGraph) -> StateDiff:
+    """What changed from `before` to `after`; two graphs read from ClickHouse are compared as Arrow columns."""
+    graphs = (before.nodes, after.nodes, before.edges, after.edges)
+    if all(isinstance(part, ColumnarNodes | ColumnarEdges) for part in graphs):
+        return _change(before, after, *(part.arrow for part in graphs))  # type: ignore[attr-defined]
     a_nodes, a_edges = before.content()
     b_nodes, b_edges = after.content()
     edge_after = {(e.src, e.dst, e.type): e for e in after.edges}
@@ -359,31 +365,7 @@ def read_diff_arrow(
 def _change(
     before: StateGraph, after: StateGraph, nodes_before: Any, nodes_after: Any, edges_before: Any, edges_after: Any
 ) -> StateDiff:
-    """The StateDiff of `diff` from the intervals live on one side only (Arrow tables, NODE_/EDGE_COLUMNS)."""
-    a, b = ColumnarNodes(nodes_before), ColumnarNodes(nodes_after)
-    a_edges = {(e.src, e.dst, e.type): e for e in ColumnarEdges(edges_before)}
-    b_edges = {(e.src, e.dst, e.type): e for e in ColumnarEdges(edges_after)}
-    both = sorted(set(a) & set(b))
-    return StateDiff(
-        before=before,
-        after=after,
-        added=[b[i] for i in sorted(set(b) - set(a))],
-        removed=[a[i] for i in sorted(set(a) - set(b))],
-        changed=[(a[i], b[i]) for i in both if _node_content(a[i]) != _node_content(b[i])],
-        edges_added=[b_edges[k] for k in sorted(set(b_edges) - set(a_edges))]
-        + [
-            b_edges[k]
-            for k in sorted(set(a_edges) & set(b_edges))
-            if _canon(a_edges[k].data) != _canon(b_edges[k].data)
-        ],
-        edges_removed=[a_edges[k] for k in sorted(set(a_edges) - set(b_edges))],
-    )
-
-
-def _canon(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-
-
-def _node_content(node: GraphNode) -> tuple[str, bytes]:
-    """What StateGraph.content compares: the type and the canonical data."""
-    return node.type, _canon(node.data)
+    """The StateDiff of two states from Arrow node and edge rows (whole states, or what is live on one side only)."""
+    added, removed, changed = node_changes(nodes_before, nodes_after)
+    edges_added, edges_removed = edge_changes(edges_before, edges_after)
+    return StateDiff(before, after, added, removed, changed, edges_added, edges_removed)
