@@ -1,4 +1,4 @@
-"""State-graph benchmark: `python -m bench.state_bench [--nodes 100000] [--steps 4000] [--skip-worker]`.
+"""State-graph benchmark: `python -m bench.state_bench [--nodes 100000] [--steps 4000] [--skip-worker|--skip-history]`.
 
 1. Worker: a real `treadle worker` with TREADLE_PROCESSORS=state (sink off, own local stack) folds agent steps
    (dispatch + tool result + a delta of 5 node upserts, across sessions); the clock stops when every StateVersion
@@ -10,6 +10,10 @@
    inserts. p50 of "state at version V" (treadle/state/history.py: nodes, edges, and the whole read_state) and
    "nodes caused by tool X in the last 5 minutes" (one session; all sessions). Baseline, same run, same data:
    the earlier cut's layout (one ReplacingMergeTree(closed) interval table read with FINAL, commit ba1d64d).
+   Then the public reads (state_at, state_diff of the last 10 versions and of the second half, caused by tool X
+   through /arrow) through the sink's endpoint in a process of its own: p50 and p99 of --public-runs, idle and
+   while that process also inserts 10,000 state rows/s of other sessions (as a running worker's sink). Every read
+   prints its p50 and p99.
 """
 
 from __future__ import annotations

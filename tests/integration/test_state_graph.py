@@ -596,6 +596,9 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         assert (got.before.content(), got.after.content()) == (want.before.content(), want.after.content())
     with pytest.raises(StateNotFoundError):
         read_diff_arrow(arrow, session, 0, len(ids))
+    if len(ids) > 1:  # a version id whose hash is not the one at its ordinal, beside that ordinal
+        with pytest.raises(StateNotFoundError):
+            read_diff_arrow(arrow, session, f"{session}.1.0000000000000000", 1)
     for v in versions:  # between two versions: the earlier one, less the nodes whose TTL passed by then
         moment = v["event_time"] + 500_000
         latest = max(u["ordinal"] for u in versions if u["event_time"] <= moment)

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import pyarrow.compute as pc
 
 from processors.state.graph import ordinal_of
 from processors.state.model import GraphEdge, GraphNode, StateGraph
@@ -147,48 +148,42 @@ def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) 
     return f"SELECT session_id, node_id, type FROM state_node_causes WHERE {where} LIMIT 1 BY session_id, node_id, type"
 
 
-def node_changes_sql(session: str, lo: int, hi: int) -> tuple[str, str]:
-    """Node intervals live at version `lo` and not at `hi` (> lo), and live at `hi` and not at `lo`: what
-    "diff lo..hi" reads, in place of both states.
+def node_changes_sql(session: str, lo: int, hi: int) -> str:
+    """Node intervals live at version `lo` and not at `hi` (> lo), `side` 0, and live at `hi` and not at `lo`,
+    `side` 1: what "diff lo..hi" reads, in place of both states.
 
     An interval live at one and not the other either ended in (lo, hi] having opened by lo, or opened in (lo, hi]
-    and had not ended by hi; both are read by key ranges of one session, and the answer is as large as the
-    change, not the state. Columns and the interval hash as nodes_sql.
+    and had not ended by hi; both are read by key ranges of one session, in one statement, and the answer is as
+    large as the change, not the state. Columns and the interval hash as nodes_sql, then `side`.
     """
     s = quote(session)
     ended = (
         "SELECT cityHash64(node_id, from_ordinal) FROM state_node_ends "
         f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
     )
-    columns = "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool "
-    gone = (
-        f"{columns}FROM state_nodes WHERE session_id = {s} AND from_ordinal <= {lo} "
-        f"AND cityHash64(node_id, from_ordinal) IN ({ended} AND from_ordinal <= {lo})"
+    columns = "node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool"
+    return (
+        f"SELECT {columns}, 0 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(node_id, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
+        f"SELECT {columns}, 1 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal > {lo} "
+        f"AND from_ordinal <= {hi} AND cityHash64(node_id, from_ordinal) NOT IN ({ended})"
     )
-    opened = (
-        f"{columns}FROM state_nodes WHERE session_id = {s} AND from_ordinal > {lo} AND from_ordinal <= {hi} "
-        f"AND cityHash64(node_id, from_ordinal) NOT IN ({ended})"
-    )
-    return gone, opened
 
 
-def edge_changes_sql(session: str, lo: int, hi: int) -> tuple[str, str]:
-    """Edge intervals live at `lo` and not at `hi` (> lo), and live at `hi` and not at `lo` (as node_changes_sql)."""
+def edge_changes_sql(session: str, lo: int, hi: int) -> str:
+    """Edge intervals live at `lo` only (`side` 0) and at `hi` only (`side` 1), hi > lo (as node_changes_sql)."""
     s = quote(session)
     ended = (
         "SELECT cityHash64(src, dst, type, from_ordinal) FROM state_edge_ends "
         f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
     )
-    columns = "SELECT src AS src_lc, dst, type, data_json AS data_lc "
-    gone = (
-        f"{columns}FROM state_edges WHERE session_id = {s} AND from_ordinal <= {lo} "
-        f"AND cityHash64(src, dst, type, from_ordinal) IN ({ended} AND from_ordinal <= {lo})"
+    columns = "src AS src_lc, dst, type, data_json AS data_lc"
+    return (
+        f"SELECT {columns}, 0 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(src, dst, type, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
+        f"SELECT {columns}, 1 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal > {lo} "
+        f"AND from_ordinal <= {hi} AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
     )
-    opened = (
-        f"{columns}FROM state_edges WHERE session_id = {s} AND from_ordinal > {lo} AND from_ordinal <= {hi} "
-        f"AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
-    )
-    return gone, opened
 
 
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
@@ -342,24 +337,37 @@ def read_diff_arrow(
         return diff(read_state_arrow(run, session, first), read_state_arrow(run, session, second))
     o1, o2 = int(known[0] or 0), int(known[1] or 0)
     lo, hi = min(o1, o2), max(o1, o2)
-    tables = run(
-        [version_sql(session, points[0]), version_sql(session, points[1]), *node_changes_sql(session, lo, hi),
-         *edge_changes_sql(session, lo, hi)]
-    )  # fmt: skip
+    both = f"({points[0].version_filter(session)}) OR ({points[1].version_filter(session)})"
+    versions_sql = (
+        "SELECT version_id, ordinal, toUnixTimestamp64Micro(event_time) FROM state_versions "
+        f"WHERE {both} LIMIT 1 BY version_id"
+    )
+    node_table, edge_table, version_table = run(  # the two large ones first: they run side by side
+        [node_changes_sql(session, lo, hi), edge_changes_sql(session, lo, hi), versions_sql]
+    )
     later = read_later or (lambda sql: run([sql])[0])
+    rows = _rows(version_table)
     graphs = []
-    for at, point, table, ordinal in zip((first, second), points, tables[:2], (o1, o2), strict=True):
-        found = _version(_rows(table), session, at, point)
+    for at, point, ordinal in zip((first, second), points, (o1, o2), strict=True):
+        mine = [r for r in rows if int(r[1]) == ordinal and point.version_id in (None, r[0])]
+        found = _version(mine, session, at, point)
         if found is None:
             graphs.append(StateGraph(session, f"{session}.0.genesis", 0, 0))
             continue
-        assert found[1] == ordinal
         nodes = ColumnarNodes(lambda o=ordinal: later(nodes_sql(session, o)))
         graphs.append(StateGraph(session, *found, nodes, ColumnarEdges(lambda o=ordinal: later(edges_sql(session, o)))))
-    nodes_gone, nodes_opened, edges_gone, edges_opened = tables[2:]
-    if o1 > o2:  # read backwards: what is live at `first` only is what opened after the earlier `second`
-        nodes_gone, nodes_opened, edges_gone, edges_opened = nodes_opened, nodes_gone, edges_opened, edges_gone
-    return _change(graphs[0], graphs[1], nodes_gone, nodes_opened, edges_gone, edges_opened)
+    nodes_lo, nodes_hi = _sides(node_table)
+    edges_lo, edges_hi = _sides(edge_table)
+    if o1 > o2:  # read backwards: `first` is the later version
+        return _change(graphs[0], graphs[1], nodes_hi, nodes_lo, edges_hi, edges_lo)
+    return _change(graphs[0], graphs[1], nodes_lo, nodes_hi, edges_lo, edges_hi)
+
+
+def _sides(table: Any) -> tuple[Any, Any]:
+    """The rows of a *_changes_sql answer live at the earlier version only and at the later one only."""
+    side = table.column("side")
+    rows = table.drop_columns(["side"])
+    return rows.filter(pc.equal(side, 0)), rows.filter(pc.equal(side, 1))
 
 
 def _change(
