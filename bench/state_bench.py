@@ -1,4 +1,4 @@
-"""State-graph benchmark: `python -m bench.state_bench [--nodes 100000] [--steps 4000] [--skip-worker]`.
+"""State-graph benchmark: `python -m bench.state_bench [--nodes 100000] [--steps 4000] [--skip-worker|--skip-history]`.
 
 1. Worker: a real `treadle worker` with TREADLE_PROCESSORS=state (sink off, own local stack) folds agent steps
    (dispatch + tool result + a delta of 5 node upserts, across sessions); the clock stops when every StateVersion
@@ -10,6 +10,10 @@
    inserts. p50 of "state at version V" (treadle/state/history.py: nodes, edges, and the whole read_state) and
    "nodes caused by tool X in the last 5 minutes" (one session; all sessions). Baseline, same run, same data:
    the earlier cut's layout (one ReplacingMergeTree(closed) interval table read with FINAL, commit ba1d64d).
+   Then the public reads (state_at, state_diff of the last 10 versions and of the second half, caused by tool X
+   through /arrow) through the sink's endpoint in a process of its own: p50 and p99 of --public-runs, idle and
+   while that process also inserts 10,000 state rows/s of other sessions (as a running worker's sink). Every read
+   prints its p50 and p99.
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ from processors.state.graph import FoldConfig, MemoryStore, SessionState, StateF
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.sql_client import arrow_queries, run_sql, run_sql_arrow
 from topics.names import DISPATCH, STATE_DELTA, TOOL_RESULT
-from treadle.state.history import caused_by_tool_sql, edges_sql, nodes_sql, read_state, read_state_arrow, state_at
+from treadle.state.history import (
+    caused_by_tool_sql,
+    diff,
+    edges_sql,
+    nodes_sql,
+    read_state,
+    read_state_arrow,
+    state_at,
+    state_diff,
+)
 
 SESSION = "bench-session"
 TOOLS = ["search", "write", "browse", "calc"]
@@ -132,8 +145,8 @@ def bench_fold(n_deltas: int) -> tuple[float, float]:
 # -- 3. history on chDB -------------------------------------------------------------------------------------------
 
 
-def p50(run: Callable[[], Any], runs: int) -> tuple[float, int]:
-    """Median wall milliseconds of `run` (after one warm-up) and the size of its last answer."""
+def p50(run: Callable[[], Any], runs: int) -> tuple[float, float, int]:
+    """Median and p99 wall milliseconds of `run` (after one warm-up) and the size of its last answer."""
     run()
     times, size = [], 0
     for _ in range(runs):
@@ -141,10 +154,24 @@ def p50(run: Callable[[], Any], runs: int) -> tuple[float, int]:
         result = run()
         times.append((time.perf_counter() - started) * 1000)
         size = _size(result)
-    return statistics.median(times), size
+    return statistics.median(times), _p99(times), size
+
+
+def _p99(times: list[float]) -> float:
+    """The 99th percentile (nearest rank): the largest of fewer than 100 runs."""
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _size(result: Any) -> int:
+    if hasattr(result, "edges_added"):  # a StateDiff
+        return (
+            len(result.added)
+            + len(result.removed)
+            + len(result.changed)
+            + len(result.edges_added)
+            + len(result.edges_removed)
+        )
     if hasattr(result, "nodes"):
         return len(result.nodes) + len(result.edges)
     if result and hasattr(result[0], "num_rows"):  # Arrow record batches
@@ -152,8 +179,8 @@ def _size(result: Any) -> int:
     return len(result)
 
 
-def interleaved(runs: list[Callable[[], Any]], n: int) -> list[tuple[float, int]]:
-    """p50 of each of `runs`, taken in turns, so a change in machine load hits them alike."""
+def interleaved(runs: list[Callable[[], Any]], n: int) -> list[tuple[float, float, int]]:
+    """p50 and p99 of each of `runs`, taken in turns, so a change in machine load hits them alike."""
     sizes = [_size(run()) for run in runs]  # warm-up
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(n):
@@ -161,7 +188,7 @@ def interleaved(runs: list[Callable[[], Any]], n: int) -> list[tuple[float, int]
             started = time.perf_counter()
             run()
             times[i].append((time.perf_counter() - started) * 1000)
-    return [(statistics.median(t), size) for t, size in zip(times, sizes, strict=True)]
+    return [(statistics.median(t), _p99(t), size) for t, size in zip(times, sizes, strict=True)]
 
 
 def old_rows(versions: list[dict[str, Any]]) -> list[list[Any]]:
@@ -202,7 +229,7 @@ def _wait_for_quiet_merge(ch: Any, timeout: float) -> float:
     return time.perf_counter() - started
 
 
-def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, float, int]]:
+def bench_history(total_nodes: int, runs: int, batch: int, public_runs: int) -> list[tuple[str, float, float, int]]:
     from sinks.clickhouse import ClickHouseStore
     from sinks.migrations import apply_migrations
     from topics.settings import Settings
@@ -216,7 +243,7 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
     for v in versions:
         for table, row in rows_for("state_versions", v):
             rows.setdefault(table, []).append([row[c] for c in TABLE_COLUMNS[table]])
-    results: list[tuple[str, float, int]] = []
+    results: list[tuple[str, float, float, int]] = []
     with tempfile.TemporaryDirectory() as home, ClickHouseStore.open(settings := Settings(home=Path(home))) as ch:
         apply_migrations(ch)
         for table, data in rows.items():
@@ -233,7 +260,9 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         in_process = lambda: read_state_arrow(arrow, SESSION, last)  # noqa: E731
         tool_sql = caused_by_tool_sql("search", 5, SESSION)
         busy_parts = _state_parts(ch)
-        (busy_state, size), (busy_tool, tool_size) = interleaved([in_process, lambda: arrow([tool_sql])], runs)
+        (busy_state, busy_state99, size), (busy_tool, busy_tool99, tool_size) = interleaved(
+            [in_process, lambda: arrow([tool_sql])], runs
+        )
         quiet_s = _wait_for_quiet_merge(ch, 60.0)
 
         def q(sql: str) -> Callable[[], Any]:
@@ -247,11 +276,11 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         results.append((f"{state.ordinal} versions, {state.node_count:,} live nodes, {opened:,} node intervals, "
                         f"{edges:,} edge intervals; measured once the tables had been quiet long enough to be "
                         f"merged into one part each ({quiet_s:.1f}s), as a sink's tables are between bursts",
-                        0.0, 0))  # fmt: skip
+                        0.0, 0.0, 0))  # fmt: skip
         results.append((f"right after the inserts ({max(busy_parts.values())} parts per table at most), "
-                        "as while a sink keeps writing:", 0.0, 0))  # fmt: skip
-        results.append(("  state at V (last), in process", busy_state, size))
-        results.append(("  nodes caused by tool X, as Arrow", busy_tool, tool_size))
+                        "as while a sink keeps writing:", 0.0, 0.0, 0))  # fmt: skip
+        results.append(("  state at V (last), in process", busy_state, busy_state99, size))
+        results.append(("  nodes caused by tool X, as Arrow", busy_tool, busy_tool99, tool_size))
         old_at = (
             "SELECT node_id, type, data_json, toUnixTimestamp64Micro(expires_at), caused_by_tool FROM old_state_nodes "
             f"FINAL WHERE session_id = '{SESSION}' AND from_ordinal <= {{v}} AND to_ordinal > {{v}}"
@@ -280,18 +309,20 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
         run = lambda sql: ch.query_sync(sql).result_rows  # noqa: E731
         one_by_one = lambda qs: [ch.read_only_query_arrow_sync(q) for q in qs]  # noqa: E731
         in_series = lambda: read_state_arrow(one_by_one, SESSION, last)  # noqa: E731
-        (paired_ms, size), (series_ms, _) = interleaved([in_process, in_series], runs)
-        results.append(("state at V (last), in process: read_state_arrow", paired_ms, size))
-        results.append(("  baseline: statements in series (interleaved)", series_ms, size))
+        (paired_ms, paired99, size), (series_ms, series99, _) = interleaved([in_process, in_series], runs)
+        results.append(("state at V (last), in process: read_state_arrow", paired_ms, paired99, size))
+        results.append(("  baseline: statements in series (interleaved)", series_ms, series99, size))
         results.append(("  baseline: read_state, rows to objects", *p50(lambda: read_state(run, SESSION, last), 5)))
         with _sql_endpoint(ch, settings):  # the sink's process owns chDB, as while a worker runs
             public = lambda: state_at(settings, SESSION, last)  # noqa: E731
             serial = lambda: _serial_state(settings, last)  # noqa: E731
             by_id = lambda: state_at(settings, SESSION, state.version_id)  # noqa: E731
-            (public_ms, size), (serial_ms, _), (by_id_ms, _) = interleaved([public, serial, by_id], runs)
-            results.append(("state_at(V last): the public path", public_ms, size))
-            results.append(("  baseline: 3 statements in series (interleaved)", serial_ms, size))
-            results.append(("  same, V by id (interleaved)", by_id_ms, size))
+            (public_ms, public99, size), (serial_ms, serial99, _), (by_id_ms, by_id99, _) = interleaved(
+                [public, serial, by_id], runs
+            )
+            results.append(("state_at(V last): the public path", public_ms, public99, size))
+            results.append(("  baseline: 3 statements in series (interleaved)", serial_ms, serial99, size))
+            results.append(("  same, V by id (interleaved)", by_id_ms, by_id99, size))
             results.append(("  same, middle V", *p50(lambda: state_at(settings, SESSION, middle), runs)))
             touch = lambda: _touch(state_at(settings, SESSION, last))  # noqa: E731
             results.append(("  same, then every node and edge built", *p50(touch, max(3, runs // 4))))
@@ -302,21 +333,52 @@ def bench_history(total_nodes: int, runs: int, batch: int) -> list[tuple[str, fl
             results.append(("nodes caused by tool X: via /arrow endpoint", *p50(tool_arrow, runs)))
             tool_rows = lambda: run_sql(settings, tool_sql)[1]  # noqa: E731
             results.append(("  same via /sql (JSON rows, `treadle sql`)", *p50(tool_rows, runs)))
+            arrow_diff = lambda: diff(state_at(settings, SESSION, last - 10), state_at(settings, SESSION, last))  # noqa: E731
+            results.append(("diff V-10..V: two state_at, diff() as Arrow", *p50(arrow_diff, 5)))
+            old_diff = lambda: diff(*(_as_objects(state_at(settings, SESSION, v)) for v in (last - 10, last)))  # noqa: E731
+            results.append(("  baseline: two state_at, every object compared", *p50(old_diff, 3)))
+            results.extend(_public_reads(settings, last, public_runs, "idle (the endpoint only serves reads)"))
+        with _sql_endpoint(None, settings, write_rows_per_s=BUSY_ROWS_PER_S):
+            busy = f"while the sink process inserts {BUSY_ROWS_PER_S:,} state rows/s (another session), as a worker's"
+            results.extend(_public_reads(settings, last, public_runs, busy))
     return results
 
 
+BUSY_ROWS_PER_S = 10_000
+
+
+def _public_reads(settings: Any, last: int, runs: int, condition: str) -> list[tuple[str, float, float, int]]:
+    """p50 and p99 of the three public reads (treadle state / AgentStream.state_at, treadle state --diff, a
+    caused-by query through the sink's /arrow), taken in turns."""
+    tool_sql = caused_by_tool_sql("search", 5, SESSION)
+    reads = {
+        "  state_at(V last)": lambda: state_at(settings, SESSION, last),
+        "  state_diff(V-10..V)": lambda: state_diff(settings, SESSION, last - 10, last),
+        "  state_diff(V/2..V)": lambda: state_diff(settings, SESSION, last // 2, last),
+        "  caused by tool X, last 5 min (/arrow)": lambda: run_sql_arrow(settings, tool_sql).to_batches(),
+    }
+    measured = interleaved(list(reads.values()), runs)
+    header = (f"public path, {runs} runs each in turns, {condition}; targets p50 20 / p99 50 / 5 ms; load {loadavg()}:",
+              0.0, 0.0, 0)  # fmt: skip
+    return [header, *[(label, *m) for label, m in zip(reads, measured, strict=True)]]
+
+
 @contextmanager
-def _sql_endpoint(store: Any, settings: Any) -> Iterator[None]:
+def _sql_endpoint(store: Any, settings: Any, write_rows_per_s: int = 0) -> Iterator[None]:
     """The sink's SQL endpoint (sinks/service.py) in a process of its own, as a running worker serves it.
 
-    chDB allows one process per path: `store` is closed while the endpoint process owns the data.
+    chDB allows one process per path: `store` (if any) is closed while the endpoint process owns the data.
+    With `write_rows_per_s`, that process also inserts state rows of other sessions, as a sink under load does.
     """
     import multiprocessing
 
     from streams.runtime.run_info import SqlEndpoint
 
-    store.close()
-    process = multiprocessing.get_context("spawn").Process(target=_serve_sql, args=(settings,), daemon=True)
+    if store is not None:
+        store.close()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_serve_sql, args=(settings, write_rows_per_s), daemon=True
+    )
     process.start()
     deadline = time.monotonic() + 60
     while SqlEndpoint.read(settings) is None:
@@ -331,7 +393,7 @@ def _sql_endpoint(store: Any, settings: Any) -> Iterator[None]:
         SqlEndpoint.path(settings).unlink(missing_ok=True)
 
 
-def _serve_sql(settings: Any) -> None:
+def _serve_sql(settings: Any, write_rows_per_s: int = 0) -> None:
     from aiohttp import web
 
     from sinks.clickhouse import ClickHouseStore
@@ -340,14 +402,40 @@ def _serve_sql(settings: Any) -> None:
 
     async def serve() -> None:
         store = ClickHouseStore.open(settings)
+        writing = [asyncio.create_task(_keep_writing(store, write_rows_per_s))] if write_rows_per_s else []
         runner = web.AppRunner(sql_app(store), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         SqlEndpoint(pid=os.getpid(), port=site._server.sockets[0].getsockname()[1]).write(settings)  # type: ignore[union-attr]
-        await asyncio.Event().wait()
+        await asyncio.gather(asyncio.Event().wait(), *writing)
 
     asyncio.run(serve())
+
+
+async def _keep_writing(store: Any, rows_per_s: int) -> None:
+    """Insert the state rows of fresh sessions (a 20,000-node history, renamed each round) at `rows_per_s`, in
+    inserts of a tenth of a second's rows, as a sink landing other sessions' StateVersions does."""
+    events = history_workload(20_000, 100, int(time.time() * 1_000_000), 60_000_000, random.Random(3))
+    fold, state, store_ = StateFold(FoldConfig(history=16)), SessionState(SESSION), MemoryStore()
+    rows = [(t, [row[c] for c in TABLE_COLUMNS[t]]) for s, r in events
+            for t, row in rows_for("state_versions", fold.apply(state, store_, s, r))]  # fmt: skip
+    per_insert, rounds = max(1, rows_per_s // 10), 0
+    while True:
+        rounds += 1
+        for i in range(0, len(rows), per_insert):
+            started = time.monotonic()
+            by_table: dict[str, list[list[Any]]] = {}
+            for table, row in rows[i : i + per_insert]:
+                by_table.setdefault(table, []).append(
+                    [
+                        f"busy-{rounds}" if c == "session_id" else v
+                        for c, v in zip(TABLE_COLUMNS[table], row, strict=True)
+                    ]
+                )
+            for table, data in by_table.items():
+                await store.insert(table, data, TABLE_COLUMNS[table])
+            await asyncio.sleep(max(0.0, 0.1 - (time.monotonic() - started)))
 
 
 def _serial_state(settings: Any, ordinal: int) -> Any:
@@ -363,6 +451,15 @@ def _touch(graph: Any) -> Any:
     for edge in graph.edges:
         assert edge.src
     return graph
+
+
+def _as_objects(graph: Any) -> Any:
+    """The graph as a dict of nodes and a list of edges (the earlier diff compared these object by object)."""
+    from processors.state.model import StateGraph
+
+    return StateGraph(
+        graph.session_id, graph.version_id, graph.ordinal, graph.time, dict(graph.nodes), list(graph.edges)
+    )
 
 
 def _rows_state(settings: Any, ordinal: int) -> Any:
@@ -493,6 +590,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=40, help="sessions the worker's steps spread over (40)")
     parser.add_argument("--runs", type=int, default=21, help="timed runs per query; the median is shown (21)")
     parser.add_argument("--batch", type=int, default=5_000, help="rows per ClickHouse insert, as the sink (5,000)")
+    parser.add_argument("--public-runs", type=int, default=100, help="timed runs per public read (p50, p99; 100)")
     parser.add_argument("--skip-worker", action="store_true", help="only the in-process sections (no Kafka)")
     parser.add_argument("--skip-history", action="store_true", help="no chDB history section")
     parser.add_argument("--profile", type=Path, help="py-spy the state worker (raw/collapsed) into this file")
@@ -508,9 +606,12 @@ def main() -> None:
     print(f"  {'  baseline: plain dict apply':<40} {plain_rate:9,.0f} deltas/s")
     if args.skip_history:
         return
-    print(f"3. history on chDB, one session, {args.nodes:,} nodes created (p50 of {args.runs}; targets 50 ms / 10 ms):")
-    for label, ms, rows in bench_history(args.nodes, args.runs, args.batch):
-        print(f"  {label}" if not ms else f"  {label:<44} p50 {ms:7.1f} ms  ({rows:,} rows)")
+    print(
+        f"3. history on chDB, one session, {args.nodes:,} nodes created (p50 and p99 of {args.runs}; targets: "
+        "state at V and diff p50 20 ms, p99 50 ms busy; caused by tool X p50 5 ms):"
+    )
+    for label, ms, ms99, rows in bench_history(args.nodes, args.runs, args.batch, args.public_runs):
+        print(f"  {label}" if not ms else f"  {label:<44} p50 {ms:7.1f} ms  p99 {ms99:7.1f} ms  ({rows:,} rows)")
 
 
 if __name__ == "__main__":

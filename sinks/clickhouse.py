@@ -31,8 +31,13 @@ DEFAULT_DATABASE = "treadle"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 T = TypeVar("T")
 # Read-only sessions send Arrow results with LowCardinality columns as dictionaries: no per-row string copies
-# (about 5 ms per 100,000-row column on chDB), and pyarrow keeps them as DictionaryArrays.
-ARROW_OUTPUT_SETTINGS = {"output_format_arrow_low_cardinality_as_dictionary": 1}
+# (about 5 ms per 100,000-row column on chDB), and pyarrow keeps them as DictionaryArrays. Uncompressed: the
+# default (lz4_frame) costs more than it saves when the bytes stay on this machine (measured on chDB at 100,000
+# nodes: the nodes of "state at V" 28 -> 19 ms, the edges 20 -> 14 ms, for 3x the bytes; bench/state_bench.py).
+ARROW_OUTPUT_SETTINGS = {
+    "output_format_arrow_low_cardinality_as_dictionary": 1,
+    "output_format_arrow_compression_method": "none",
+}
 
 
 def arrow_table(stream: bytes | memoryview) -> pa.Table:

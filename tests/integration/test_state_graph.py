@@ -555,7 +555,7 @@ def insert_versions(store, versions: list[dict], rng: random.Random) -> None:
 )
 @given(ops=op_strategy, seed=st.integers(0, 2**32))
 def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, ops, seed):
-    from treadle.state.history import At, StateNotFoundError, read_state, read_state_arrow
+    from treadle.state.history import At, StateNotFoundError, diff, read_diff_arrow, read_state, read_state_arrow
 
     session = f"h{next(_HISTORY_SESSIONS)}"  # examples share the database
     events, oracle, ids = build(ops, 256, session=session)
@@ -580,6 +580,25 @@ def test_history_sql_gives_the_oracle_state_at_every_version_and_time(history, o
         assert by_id.content() == (nodes, edges) and by_id.version_id == ids[ordinal]
     with pytest.raises(StateNotFoundError):  # the batch's nodes and edges are dropped when the version is not there
         read_state_arrow(arrow, session, f"{session}.{len(ids)}.0000000000000000")
+    pairs = random.Random(seed).sample(
+        [(a, b) for a in range(len(ids)) for b in range(len(ids))], min(12, len(ids) ** 2)
+    )
+    for a, b in [
+        (0, len(ids) - 1),
+        (len(ids) - 1, 0),
+        *pairs,
+    ]:  # the change read as intervals = the two states compared
+        want = diff(read_state(run, session, a), read_state(run, session, b))
+        got = read_diff_arrow(arrow, session, ids[a], b)
+        assert got.to_json() == want.to_json(), f"diff {a}..{b}"
+        whole = diff(read_state_arrow(arrow, session, a), read_state_arrow(arrow, session, b))  # Arrow compare
+        assert whole.to_json() == want.to_json(), f"columnar diff {a}..{b}"
+        assert (got.before.content(), got.after.content()) == (want.before.content(), want.after.content())
+    with pytest.raises(StateNotFoundError):
+        read_diff_arrow(arrow, session, 0, len(ids))
+    if len(ids) > 1:  # a version id whose hash is not the one at its ordinal, beside that ordinal
+        with pytest.raises(StateNotFoundError):
+            read_diff_arrow(arrow, session, f"{session}.1.0000000000000000", 1)
     for v in versions:  # between two versions: the earlier one, less the nodes whose TTL passed by then
         moment = v["event_time"] + 500_000
         latest = max(u["ordinal"] for u in versions if u["event_time"] <= moment)

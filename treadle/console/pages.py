@@ -1,7 +1,7 @@
 """What each console page shows: the queries' rows turned into what its template draws.
 
 Each function here is synchronous (run_sql blocks on the SQL service) and is run off the event loop by the routes.
-They reuse the CLI's readers: `treadle explain`'s fetch_explanation, `treadle state`'s state_at and diff.
+They reuse the CLI's readers: `treadle explain`'s fetch_explanation, `treadle state`'s state_at and state_diff.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from treadle.console.events import DecodedBytes, EventChecker
 from treadle.console.params import DeadLetterParams, RewardFlowParams, SessionFilter, StateParams
 from treadle.console.queries import SqlReader
 from treadle.reports.explain import ExplainError, Explanation, fetch_explanation
-from treadle.state.history import StateNotFoundError, diff, state_at
+from treadle.state.history import StateNotFoundError, state_at, state_diff
 
 
 def iso(micros: int | None) -> str:
@@ -188,7 +188,7 @@ def state_page(settings: Settings, reader: SqlReader, session: str, p: StatePara
     try:
         graph = state_at(settings, session, at)
         if p.diff_from:
-            change = diff(state_at(settings, session, p.diff_from), graph)
+            change = state_diff(settings, session, p.diff_from, at)
     except (ValueError, StateNotFoundError) as exc:
         error = str(exc)
     nodes, edges, picture = [], [], Markup("")

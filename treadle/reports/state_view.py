@@ -12,7 +12,7 @@ from rich.tree import Tree
 
 from processors.state.model import StateGraph
 from topics.settings import Settings
-from treadle.state.history import StateDiff, diff, state_at
+from treadle.state.history import StateDiff, state_at, state_diff
 
 
 def _short(value: Any, width: int = 70) -> str:
@@ -71,7 +71,7 @@ def run_state_command(
         if ".." not in diff_range:
             raise ValueError("--diff takes two versions (or ordinals / times) as V1..V2")
         first, second = diff_range.split("..", 1)
-        result = diff(state_at(settings, session, first), state_at(settings, session, second))
+        result = state_diff(settings, session, first, second)
         if as_json:
             sys.stdout.write(json.dumps(result.to_json(), default=str) + "\n")
         else:

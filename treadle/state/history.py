@@ -11,19 +11,20 @@ the same time, so on two cores the read costs about the slower of the two, not t
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import pyarrow.compute as pc
 
 from processors.state.graph import ordinal_of
 from processors.state.model import GraphEdge, GraphNode, StateGraph
 from sinks.sql_client import ArrowBatchRunner
 from sinks.sql_params import quote
 from topics.settings import Settings
-from treadle.state.columns import ColumnarEdges, ColumnarNodes
+from treadle.state.columns import ColumnarEdges, ColumnarNodes, edge_changes, node_changes
 
 _ORDINAL = re.compile(r"^\d+$")
 
@@ -147,6 +148,44 @@ def caused_by_tool_sql(tool: str, minutes: int = 5, session: str | None = None) 
     return f"SELECT session_id, node_id, type FROM state_node_causes WHERE {where} LIMIT 1 BY session_id, node_id, type"
 
 
+def node_changes_sql(session: str, lo: int, hi: int) -> str:
+    """Node intervals live at version `lo` and not at `hi` (> lo), `side` 0, and live at `hi` and not at `lo`,
+    `side` 1: what "diff lo..hi" reads, in place of both states.
+
+    An interval live at one and not the other either ended in (lo, hi] having opened by lo, or opened in (lo, hi]
+    and had not ended by hi; both are read by key ranges of one session, in one statement, and the answer is as
+    large as the change, not the state. Columns and the interval hash as nodes_sql, then `side`.
+    """
+    s = quote(session)
+    ended = (
+        "SELECT cityHash64(node_id, from_ordinal) FROM state_node_ends "
+        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
+    )
+    columns = "node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool"
+    return (
+        f"SELECT {columns}, 0 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(node_id, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
+        f"SELECT {columns}, 1 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal > {lo} "
+        f"AND from_ordinal <= {hi} AND cityHash64(node_id, from_ordinal) NOT IN ({ended})"
+    )
+
+
+def edge_changes_sql(session: str, lo: int, hi: int) -> str:
+    """Edge intervals live at `lo` only (`side` 0) and at `hi` only (`side` 1), hi > lo (as node_changes_sql)."""
+    s = quote(session)
+    ended = (
+        "SELECT cityHash64(src, dst, type, from_ordinal) FROM state_edge_ends "
+        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
+    )
+    columns = "src AS src_lc, dst, type, data_json AS data_lc"
+    return (
+        f"SELECT {columns}, 0 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND cityHash64(src, dst, type, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
+        f"SELECT {columns}, 1 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal > {lo} "
+        f"AND from_ordinal <= {hi} AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
+    )
+
+
 def state_at(settings: Settings, session: str, at: str | int | datetime | At) -> StateGraph:
     """The session's graph at a version or time, from ClickHouse; StateNotFoundError if there is none.
 
@@ -215,15 +254,17 @@ def read_state(run: Runner, session: str, at: str | int | datetime | At) -> Stat
 
 @dataclass(frozen=True)
 class StateDiff:
-    """What changed from `before` to `after`: nodes and edges added, removed and changed."""
+    """What changed from `before` to `after`: nodes and edges added, removed and changed, in id / key order (an
+    edge whose data changed is in edges_added, after the new ones). From ClickHouse, the sequences are views over
+    Arrow rows that build objects when touched (treadle/state/columns.py)."""
 
     before: StateGraph
     after: StateGraph
-    added: list[GraphNode] = field(default_factory=list)
-    removed: list[GraphNode] = field(default_factory=list)
-    changed: list[tuple[GraphNode, GraphNode]] = field(default_factory=list)
-    edges_added: list[GraphEdge] = field(default_factory=list)
-    edges_removed: list[GraphEdge] = field(default_factory=list)
+    added: Sequence[GraphNode] = field(default_factory=list)
+    removed: Sequence[GraphNode] = field(default_factory=list)
+    changed: Sequence[tuple[GraphNode, GraphNode]] = field(default_factory=list)
+    edges_added: Sequence[GraphEdge] = field(default_factory=list)
+    edges_removed: Sequence[GraphEdge] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         def node(n: GraphNode) -> dict[str, Any]:
@@ -244,6 +285,10 @@ class StateDiff:
 
 
 def diff(before: StateGraph, after: StateGraph) -> StateDiff:
+    """What changed from `before` to `after`; two graphs read from ClickHouse are compared as Arrow columns."""
+    graphs = (before.nodes, after.nodes, before.edges, after.edges)
+    if all(isinstance(part, ColumnarNodes | ColumnarEdges) for part in graphs):
+        return _change(before, after, *(part.arrow for part in graphs))  # type: ignore[attr-defined]
     a_nodes, a_edges = before.content()
     b_nodes, b_edges = after.content()
     edge_after = {(e.src, e.dst, e.type): e for e in after.edges}
@@ -260,3 +305,75 @@ def diff(before: StateGraph, after: StateGraph) -> StateDiff:
         + [edge_after[k] for k in sorted(set(a_edges) & set(b_edges)) if a_edges[k] != b_edges[k]],
         edges_removed=[edge_before[k] for k in sorted(set(a_edges) - set(b_edges))],
     )
+
+
+def state_diff(
+    settings: Settings, session: str, first: str | int | datetime | At, second: str | int | datetime | At
+) -> StateDiff:
+    """diff(state_at(first), state_at(second)) read as the change between them, in one round trip.
+
+    Between two versions (ids or ordinals) only the intervals that differ are read (node_changes_sql), so the
+    cost follows the change, not the state; `before` and `after` read their whole graphs only when touched.
+    A time on either side reads both states and compares them (TTL expiry is not an interval end).
+    """
+    from sinks.sql_client import arrow_batches, run_sql_arrow
+
+    with arrow_batches(settings) as run:
+        return read_diff_arrow(run, session, first, second, lambda sql: run_sql_arrow(settings, sql))
+
+
+def read_diff_arrow(
+    run: ArrowBatchRunner,
+    session: str,
+    first: str | int | datetime | At,
+    second: str | int | datetime | At,
+    read_later: Callable[[str], Any] | None = None,
+) -> StateDiff:
+    """state_diff over any way of running SQL into Arrow tables; `read_later` runs one statement when `before` or
+    `after` is touched (default: `run`, which must then outlive the diff)."""
+    points = [p if isinstance(p, At) else At.parse(session, p) for p in (first, second)]
+    known = [p.ordinal if p.version_id is None else ordinal_of(p.version_id) for p in points]
+    if any(p.time is not None for p in points) or None in known:
+        return diff(read_state_arrow(run, session, first), read_state_arrow(run, session, second))
+    o1, o2 = int(known[0] or 0), int(known[1] or 0)
+    lo, hi = min(o1, o2), max(o1, o2)
+    both = f"({points[0].version_filter(session)}) OR ({points[1].version_filter(session)})"
+    versions_sql = (
+        "SELECT version_id, ordinal, toUnixTimestamp64Micro(event_time) FROM state_versions "
+        f"WHERE {both} LIMIT 1 BY version_id"
+    )
+    node_table, edge_table, version_table = run(  # the two large ones first: they run side by side
+        [node_changes_sql(session, lo, hi), edge_changes_sql(session, lo, hi), versions_sql]
+    )
+    later = read_later or (lambda sql: run([sql])[0])
+    rows = _rows(version_table)
+    graphs = []
+    for at, point, ordinal in zip((first, second), points, (o1, o2), strict=True):
+        mine = [r for r in rows if int(r[1]) == ordinal and point.version_id in (None, r[0])]
+        found = _version(mine, session, at, point)
+        if found is None:
+            graphs.append(StateGraph(session, f"{session}.0.genesis", 0, 0))
+            continue
+        nodes = ColumnarNodes(lambda o=ordinal: later(nodes_sql(session, o)))
+        graphs.append(StateGraph(session, *found, nodes, ColumnarEdges(lambda o=ordinal: later(edges_sql(session, o)))))
+    nodes_lo, nodes_hi = _sides(node_table)
+    edges_lo, edges_hi = _sides(edge_table)
+    if o1 > o2:  # read backwards: `first` is the later version
+        return _change(graphs[0], graphs[1], nodes_hi, nodes_lo, edges_hi, edges_lo)
+    return _change(graphs[0], graphs[1], nodes_lo, nodes_hi, edges_lo, edges_hi)
+
+
+def _sides(table: Any) -> tuple[Any, Any]:
+    """The rows of a *_changes_sql answer live at the earlier version only and at the later one only."""
+    side = table.column("side")
+    rows = table.drop_columns(["side"])
+    return rows.filter(pc.equal(side, 0)), rows.filter(pc.equal(side, 1))
+
+
+def _change(
+    before: StateGraph, after: StateGraph, nodes_before: Any, nodes_after: Any, edges_before: Any, edges_after: Any
+) -> StateDiff:
+    """The StateDiff of two states from Arrow node and edge rows (whole states, or what is live on one side only)."""
+    added, removed, changed = node_changes(nodes_before, nodes_after)
+    edges_added, edges_removed = edge_changes(edges_before, edges_after)
+    return StateDiff(before, after, added, removed, changed, edges_added, edges_removed)
