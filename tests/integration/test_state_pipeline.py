@@ -30,7 +30,6 @@ from treadle.state.history import state_at
 pytestmark = pytest.mark.integration
 
 
-
 def random_ops(rng: random.Random, n: int) -> list[tuple]:
     ids = [f"n{i}" for i in range(6)]
     ops: list[tuple] = []
