@@ -114,13 +114,19 @@ def test_the_state_view_leaves_out_the_graphs_own_step_nodes() -> None:
 
 def test_the_engine_source_indexes_fields_but_has_tests_and_literals_and_orders_macro_ranges() -> None:
     assert engine_source('params.path in state.nodes && state.nodes[params.path].type == "x.y"') == (
-        'params["path"] in treadle_state_nodes && treadle_state_nodes[params["path"]]["type"] == "x.y"'
+        'params["path"] in treadle_state_nodeopts && treadle_state_nodeopts[params["path"]].value()["type"] == "x.y"'
     )
     assert engine_source("has(state.nodes.a) && r'\\'.size() == 1 // state.nodes") == (
-        "has(treadle_state_nodes.a) && r'\\'.size() == 1 // state.nodes"
+        "has(treadle_state_nodeopts.a) && r'\\'.size() == 1 // state.nodes"
     )
+    assert engine_source("size(state.nodes[state.nodes.map(k, k)[0]].data) > size(before.nodes)") == (
+        'size(treadle_state_nodeopts[treadle_state_nodeopts.treadle_ordered().map(k, k)[0]].value()["data"]) > '
+        "size(treadle_before_nodeopts)"
+    )
+    for whole in ("state.nodes == before.nodes", "[state.nodes][0].a.type == 'f'", "state.nodes[?'a'].hasValue()"):
+        assert "nodeopts" not in engine_source(whole), whole  # the map used whole: the plain map
     assert engine_source("before.nodes.exists(n, n.startsWith('a')) && state != before") == (
-        "treadle_before_nodes.treadle_ordered().exists(n, n.startsWith('a')) && state != before"
+        "treadle_before_nodeopts.treadle_ordered().exists(n, n.startsWith('a')) && state != before"
     )
     assert (
         engine_source("[1].exists(state, state.nodes == 1)")
@@ -140,6 +146,9 @@ PLAIN_CLAUSES = [
     "has(state.nodes.a) ? state.nodes.a.data.size < 5 : params.path != 'a'",
     "state.nodes.exists(n, has(state.nodes[n].data.h) && state.nodes[n].data.h > 7)",
     "state.nodes.a.data.h + state.nodes.b.data.h > 9",
+    "state.nodes.all(k, state.nodes[k].type == 'file') && size(state.nodes) == state.nodes.size()",
+    "has(state.nodes[params.path].data.h) && !(params.path in state.nodes && state.nodes == state.nodes)",
+    "state.nodes.filter(k, state.nodes[k].type == 'file').size() <= size(state.nodes)",
 ]
 
 
@@ -200,6 +209,25 @@ def test_a_value_the_engine_cannot_hold_makes_its_clauses_not_evaluable_even_in_
     (odd,) = check_pre([contract], "v", {}, {"x": {1.5: 2}}, worlds, ("s", 1))  # not JSON: a float key
     assert ok.outcome is Outcome.PASSED
     assert (odd.outcome, odd.failed) == (Outcome.NOT_EVALUABLE, ("params.x == 1",))  # not the stale params
+
+
+@settings(max_examples=60, deadline=None)
+@given(worlds=st.lists(st.tuples(WORLD, st.sampled_from(["a", "b", "z"])), min_size=1, max_size=6))
+def test_a_cached_world_converted_node_by_node_gives_what_a_fresh_one_gives(
+    worlds: list[tuple[dict[str, tuple[str, Any]], str]],
+) -> None:
+    """A session's worlds in turn through one WorldCache (each node's mark: the first turn it had its content)
+    check the same as each world bound afresh, plain map or node handles."""
+    contract = CompiledContract(Contract(tool="t", params=PLAIN_CLAUSES))
+    cache, marks, last = WorldCache(), {}, {}
+    for turn, (nodes, path) in enumerate(worlds, start=1):
+        for nid, node in nodes.items():
+            if last.get(nid) != node:
+                marks[nid] = turn
+        last = dict(nodes)
+        fresh = check_pre([contract], "v", nodes, {"path": path})
+        cached = check_pre([contract], "v", nodes, {"path": path}, cache, ("s", turn), marks)
+        assert cached == fresh
 
 
 # -- registration refusals -------------------------------------------------------------------------------------------
