@@ -509,7 +509,8 @@ def state_view(version: str, nodes: Nodes) -> dict[str, Any]:
 def node_handles(nodes: Nodes) -> dict[str, Any]:
     """`state.nodes` as the engine reads it after _node_handles: each node's view held as a cel.OptionalValue (the
     engine converts it there, once; ValueError when it cannot hold it)."""
-    return {nid: cel.OptionalValue.of(node_view(nid, t, d)) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES}
+    of = cel.OptionalValue.of
+    return {nid: of(node_view(nid, t, d)) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES}
 
 
 def world_views(name: str, version: str, nodes: Nodes) -> dict[str, Callable[[], Any]]:
@@ -699,7 +700,8 @@ def check_post(
     context = _world(clauses, views, cache, (*world, after[1], changed) if world else None)
     values = seen_values(params, after, before, view)
     unknown, seen = "before" if before is None else "", {}
-    return [c for contract in contracts if (c := contract.check(Phase.POST, context, values, unknown, seen)) is not None]
+    checks = (contract.check(Phase.POST, context, values, unknown, seen) for contract in contracts)
+    return [c for c in checks if c is not None]
 
 
 def available_actions(contracts: Iterable[CompiledContract], version: str, nodes: Nodes) -> list[str]:

@@ -153,7 +153,8 @@ def fold(
         action = _node_data(version, f"action:{lid}") or {}
         params = action.get("params", {})
         world = (version["session_id"], session.world)
-        checks = check_pre(contracts, before_version, session.nodes, params, worlds, world, session.changed)  # the world before it
+        # the world before it
+        checks = check_pre(contracts, before_version, session.nodes, params, worlds, world, session.changed)
         if any(c.post for c in contracts):
             keep = any(c.reads_before for c in contracts)  # else `before` is not worth a copy of the world
             session.pending[lid] = {
