@@ -367,9 +367,12 @@ def bind(
     names = set().union(*(c.binds for c in clauses)) - bound
     variables = {}
     for name in sorted(names):
-        if name in views:
-            with contextlib.suppress(ValueError):  # a node the engine cannot hold (see node_handles)
-                variables[name] = views[name]()
+        view = views.get(name)
+        if view is not None:
+            try:
+                variables[name] = view()
+            except ValueError:  # a node the engine cannot hold (see node_handles)
+                pass
     if context is not None:
         try:
             context.update(variables)
@@ -523,13 +526,18 @@ def world_views(name: str, version: str, nodes: Nodes) -> dict[str, Callable[[],
     }
 
 
+_JSON_STARTS = frozenset('{["-0123456789tfn')
+
+
 def result_view(result: Mapping[str, Any]) -> dict[str, Any]:
     """The `result` variable from a tool result (its record or its state node's data)."""
     output = result.get("output") or ""
-    try:
-        parsed = orjson.loads(output) if output else None
-    except orjson.JSONDecodeError:
-        parsed = None
+    parsed = None
+    if output.lstrip(" \t\n\r")[:1] in _JSON_STARTS:  # else not JSON: no parse (its error costs more than a parse)
+        try:
+            parsed = orjson.loads(output)
+        except orjson.JSONDecodeError:
+            parsed = None
     return {
         "status": result.get("status", ""),
         "output": output,

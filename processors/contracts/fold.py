@@ -187,11 +187,12 @@ def _uuid5(prefix: Any, rest: str) -> str:
     the same id, without re-hashing the shared part or building UUID objects (it is made per check)."""
     digest = prefix.copy()
     digest.update(rest.encode())
-    raw = bytearray(digest.digest()[:16])
-    raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
-    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = digest.hexdigest()
+    variant = _VARIANT[h[16]]  # RFC 4122 variant: the top two bits of byte 8 are 10
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{variant}{h[17:20]}-{h[20:32]}"  # version 5
+
+
+_VARIANT = {f"{n:x}": f"{0x8 | (n & 0x3):x}" for n in range(16)}
 
 
 def _id_prefix(session_id: str, step: str) -> Any:

@@ -3,6 +3,7 @@ action mask against a direct evaluation, and the fold over real state versions (
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import cel
@@ -12,14 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from processors.contracts.fold import (
+    _NAMESPACE,
     SOURCE,
     ContractBook,
     SessionContracts,
+    check_id,
     check_records,
     contract_signal,
     fold,
 )
 from processors.contracts.processor import ContractsProcessor
+from processors.rewards import signal_id
 from processors.state.graph import MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
 from topics.contracts import (
@@ -228,6 +232,18 @@ def test_a_cached_world_converted_node_by_node_gives_what_a_fresh_one_gives(
         fresh = check_pre([contract], "v", nodes, {"path": path})
         cached = check_pre([contract], "v", nodes, {"path": path}, cache, ("s", turn), marks)
         assert cached == fresh
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.text(max_size=12), min_size=4, max_size=4))
+def test_check_and_signal_ids_are_the_uuid5s_they_stand_for(parts: list[str]) -> None:
+    """Made from the SHA-1 directly (they are made per check): the same ids as the uuid module's."""
+    session, step, contract, phase = parts
+    assert check_id(session, step, contract, phase) == str(
+        uuid.uuid5(_NAMESPACE, f"{session}\0{step}\0{contract}\0{phase}")
+    )
+    name = f"treadle-reward/{session}/{step}/{contract}"
+    assert signal_id(session, step, contract) == str(uuid.uuid5(uuid.NAMESPACE_URL, name))
 
 
 # -- registration refusals -------------------------------------------------------------------------------------------
