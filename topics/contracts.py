@@ -210,19 +210,26 @@ def engine_source(expr: str) -> str:
     edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in selects if m.start() not in tested]
     for start, end, text in sorted(edits, reverse=True):
         expr = expr[:start] + text + expr[end:]
-    return _node_handles(_world_parts(expr)) if not _bound_names(expr) & {"state", "before"} else expr
+    return _node_handles(_world_parts(expr)) if not _bound_names(expr) & {"state", "before", "result"} else expr
 
 
-_WORLD_PART = re.compile(r"(?<![\w.])(state|before)\s*\[(#+)\]")
-_PARTS = {'"nodes"': "nodes", "'nodes'": "nodes", '"version"': "version", "'version'": "version"}
+_WORLD_PART = re.compile(r"(?<![\w.])(state|before|result)\s*\[(#+)\]")
+_WORLD_FIELDS = ("nodes", "version")
+RESULT_FIELDS = ("status", "output", "error", "latency_ms", "json")  # the keys of result_view
+_PARTS = {
+    name: {f"{q}{field}{q}": field for field in fields for q in "\"'"}
+    for name, fields in (("state", _WORLD_FIELDS), ("before", _WORLD_FIELDS), ("result", RESULT_FIELDS))
+}
 
 
 def _world_parts(expr: str) -> str:
     """`state["nodes"]` as the variable `treadle_state_nodes` (and so for `version` and `before`): the world's nodes
-    are then bound on their own, and reused while the world is unchanged (see WorldCache)."""
+    are then bound on their own, and reused while the world is unchanged (see WorldCache). And `result["status"]` as
+    `treadle_result_status` (so for each of its fields): only the fields a clause reads are converted, without the
+    map's keys (the map always has them, so the same value)."""
     edits = []
     for m in _WORLD_PART.finditer(_code_only(expr)):
-        part = _PARTS.get(expr[m.start(2) : m.end(2)])
+        part = _PARTS[m.group(1)].get(expr[m.start(2) : m.end(2)])
         if part is not None:
             edits.append((m.start(), m.end(), f"treadle_{m.group(1)}_{part}"))
     for start, end, text in reversed(edits):
@@ -398,6 +405,7 @@ class _World:
     context: Any  # cel.Context binding treadle_state_nodeopts (and treadle_state_nodes once a clause reads it)
     handles: dict[str, tuple[Any, Any]]  # node id -> (its change mark, cel.OptionalValue of its view)
     full: bool = False  # treadle_state_nodes is bound
+    functions: bool = False  # ORDERED is registered (a context with a Python function costs more per change)
 
 
 class WorldCache:
@@ -414,13 +422,22 @@ class WorldCache:
         self._worlds: dict[str, _World] = {}
 
     def context(
-        self, session: str, key: Any, nodes: Nodes, changed: Mapping[str, Any] | None = None, full: bool = False
+        self,
+        session: str,
+        key: Any,
+        nodes: Nodes,
+        changed: Mapping[str, Any] | None = None,
+        full: bool = False,
+        functions: bool = True,
     ) -> Any:
-        """A context binding the world's nodes as handles (and as a plain map when `full`); `changed`: node id ->
-        its change mark (without it, every node is converted)."""
+        """A context binding the world's nodes as handles (and as a plain map when `full`, and ORDERED when
+        `functions`); `changed`: node id -> its change mark (without it, every node is converted)."""
         world = self._worlds.pop(session, None)
         if world is None or world.key != key:
             world = self._convert(key, nodes, changed or {}, world.handles if world is not None else {})
+        if functions and not world.functions:
+            world.context.add_function(ORDERED, ordered)
+            world.functions = True
         if full and not world.full:
             with contextlib.suppress(ValueError):  # left out: its clauses are not evaluable
                 world.context.update({"treadle_state_nodes": nodes_view(nodes)})
@@ -443,9 +460,9 @@ class WorldCache:
                 else:
                     handles[nid] = (mark, cel.OptionalValue.of(node_view(nid, node_type, data)))
         except ValueError:  # a node the engine cannot hold: the world is left out, its clauses are not evaluable
-            return _World(key, cel.Context(None, _FUNCTIONS), {})
-        context = cel.Context({"treadle_state_nodeopts": {nid: h for nid, (_, h) in handles.items()}}, _FUNCTIONS)
-        return _World(key, context, handles)
+            return _World(key, cel.Context(), {})
+        bound = {"treadle_state_nodeopts": {nid: handle for nid, (_, handle) in handles.items()}}
+        return _World(key, cel.Context(bound), handles)
 
 
 def node_types_read(contract: Contract) -> set[str]:
@@ -661,7 +678,7 @@ def _world(
     reads = set().union(*(c.binds for c in clauses)) & _WORLD_NAMES
     if cache is None or world is None or not reads:
         return bind(clauses, views)
-    context = cache.context(*world, full="treadle_state_nodes" in reads)
+    context = cache.context(*world, full="treadle_state_nodes" in reads, functions=any(c.uses_ordered for c in clauses))
     return bind(clauses, views, context, bound=_WORLD_NAMES)
 
 
@@ -703,6 +720,7 @@ def check_post(
         return []
     view = result_view(result)
     views = {**world_views("state", *after), "params": lambda: params, "result": lambda: view}
+    views.update({f"treadle_result_{field}": lambda field=field: view[field] for field in RESULT_FIELDS})
     if before is not None:
         views.update(world_views("before", *before))
     context = _world(clauses, views, cache, (*world, after[1], changed) if world else None)

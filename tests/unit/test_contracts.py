@@ -43,6 +43,7 @@ from topics.contracts import (
     engine_source,
     load_contract,
     registration_problems,
+    result_view,
     state_view,
     world_views,
 )
@@ -169,6 +170,38 @@ def test_a_clause_means_the_same_as_the_engine_runs_it(nodes: dict[str, tuple[st
             bind([compiled], {**world_views("state", "v", nodes), "params": lambda: {"path": path}})
         )
         assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
+
+
+RESULT_CLAUSES = [
+    "result.status == 'OK' || result.latency_ms > 2.0",
+    "has(result.json.n) && result.json.n > 1 && result.error == null",
+    "result.json.n + result['json']['n'] > 3 && result != null",
+    "result.output.startsWith('{') || result.other == 1",
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    status=st.sampled_from(["OK", "ERROR"]),
+    output=st.sampled_from(["", "done", '{"n": 2}', '{"n": 1.5}', "[1]", " 7", "nul"]),
+    latency=st.floats(0, 5),
+)
+def test_a_postcondition_reading_result_fields_means_the_same_as_written(
+    status: str, output: str, latency: float
+) -> None:
+    """`result.status` runs as the variable `treadle_result_status` (each field bound alone): the same bool or
+    error as the clause as written over the whole `result` map."""
+    view = result_view({"status": status, "output": output, "latency_ms": latency})
+    for expr in RESULT_CLAUSES:
+        (compiled,), _ = compile_clauses(Contract(tool="t", postconditions=[expr]))
+        assert "treadle_result_" in compiled.program.source
+        written = outcome_of(lambda e=expr: cel.compile(e).execute({"result": view}))
+        (check,) = check_post([CompiledContract(Contract(tool="t", postconditions=[expr]))], None, ("v", {}), {},
+                              {"status": status, "output": output, "latency_ms": latency})  # fmt: skip
+        run = compiled.evaluate(bind([compiled], {"result": lambda: view} | {
+            f"treadle_result_{k}": lambda k=k: view[k] for k in view}))  # fmt: skip
+        assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
+        assert check.outcome is {True: Outcome.PASSED, False: Outcome.VIOLATED}.get(written, Outcome.NOT_EVALUABLE)
 
 
 def outcome_of(run: Any) -> bool | str:
