@@ -508,6 +508,20 @@ def test_the_fold_is_deterministic_across_restarts_and_replays(kinds: list[str],
     assert replayed == first
 
 
+def test_a_fold_record_without_change_marks_still_folds_the_same() -> None:
+    """A record written before the marks were kept: its nodes are marked with its ordinal (their content then)."""
+    versions = versions_of(workload(["write_existing", "write_unchanged", "write_missing", "write_existing"]))
+    book, worlds = ContractBook([write_file()]), WorldCache()
+    first, session, out = run_fold(versions, book), SessionContracts(), []
+    for version in versions:
+        checked = fold(session, version, book, worlds)
+        out += check_records(checked) + ([s] if (s := contract_signal(checked)) else []) if checked else []
+        doc = orjson.loads(session.to_bytes())
+        del doc["changed"]
+        session = SessionContracts.from_bytes(orjson.dumps(doc))
+    assert out == first
+
+
 def test_the_contract_signal_is_minus_one_on_a_violation_and_plus_one_when_all_passed() -> None:
     book = ContractBook([write_file()])
     versions = versions_of(workload(["write_missing", "write_existing"]))
