@@ -67,6 +67,7 @@ bench-smoke: install
 	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
 	$(BIN)/python -m bench.plans_bench --plans 60 --repeats 1 --codec
 	$(BIN)/python -m bench.plans_recovery_bench --plans 50
+	$(BIN)/python -m bench.contracts_bench --quick
 
 # Issue #25: kills of the worker, the sink, a broker (3-broker cluster) and Valkey under load; every table checked.
 chaos: install
