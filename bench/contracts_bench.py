@@ -361,7 +361,7 @@ async def register_contracts(settings: Any, per_tool: list[Contract]) -> None:
 
 def worker_run(
     base: Any, name: str, processors: tuple[str, ...], backlog: list[tuple[str, bytes, bytes]], want: Expected,
-    book: list[Contract], *, pin: bool, timeout: float,
+    book: list[Contract], *, pin: bool, timeout: float, profile: Path | None = None,
 ) -> WorkerRun:  # fmt: skip
     """Put `backlog` ((topic kind, key, value)) in Kafka under a fresh prefix, start the worker, time its catch-up.
 
@@ -371,7 +371,7 @@ def worker_run(
     import asyncio
 
     from bench.common import cpu_seconds
-    from bench.worker_bench import READY_TIMEOUT_S, BenchWorker, InputRecord, _preload
+    from bench.worker_bench import READY_TIMEOUT_S, BenchWorker, InputRecord, _preload, py_spy, stop_spy
     from streams.runtime.run_info import FirstInput
     from streams.runtime.worker import prepare_cluster
     from topics.catalog import TopicCatalog
@@ -382,11 +382,20 @@ def worker_run(
     asyncio.run(prepare_cluster(settings))
     if "contracts" in processors:
         asyncio.run(register_contracts(settings, book))
+    # Started once before, as a worker catching up after downtime has been: its table changelogs exist. On a fresh
+    # prefix the newest changelog (the contracts table's) can miss the first assignment on a busy broker, and the
+    # worker then rebalances mid-backlog (seen here: once ten seconds late, once not done after minutes).
+    warm = BenchWorker(settings, pin).start()
+    try:
+        warm.wait_ready(READY_TIMEOUT_S)
+    finally:
+        warm.stop()
     catalog = TopicCatalog(settings)
     records = [InputRecord(catalog[kind].name, key, value) for kind, key, value in backlog]
     later = [r for r in records if r.topic == catalog["state_versions"].name]
     asyncio.run(_preload(settings, [r for r in records if r.topic != catalog["state_versions"].name]))
     worker = BenchWorker(settings, pin)
+    spy = None
 
     async def first_input() -> FirstInput:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -398,12 +407,14 @@ def worker_run(
         raise TimeoutError(f"the worker read no input in {READY_TIMEOUT_S:.0f}s; log {worker.log_path}")
 
     async def run() -> ReadBack:
+        nonlocal spy
         reading = asyncio.Event()
         reader = asyncio.create_task(read_back(settings, want, timeout + READY_TIMEOUT_S, reading))
         await reading.wait()
         worker.start()
         ready = asyncio.create_task(asyncio.to_thread(worker.wait_ready, READY_TIMEOUT_S))
         await first_input()
+        spy = py_spy(worker.pid, profile) if profile is not None else None
         if later:
             await _preload(settings, later)
         await ready
@@ -413,7 +424,10 @@ def worker_run(
         got = asyncio.run(run())
         cpu_after = cpu_seconds(worker.pid)
         first = FirstInput.read(settings)
+        stop_spy(spy)
     finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
         worker.stop()
     assert first is not None  # run() waited for it
     events = len(backlog) - len(later)
@@ -427,7 +441,7 @@ def worker_section(args: argparse.Namespace) -> int:
     from bench.common import bench_settings, keep_off_worker_core, local_stack
     from topics.codec import AvroCodec as Codec
 
-    logging.getLogger("aiokafka").setLevel(logging.ERROR)  # "NotLeaderForPartition, retrying" on new topics
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # NotLeaderForPartition on new topics: retried
     pin = not args.no_pin and taskset_available()
     keep_off_worker_core(pin)  # Kafka, started below, inherits this: the worker's core is its own
     codec, per_tool = Codec(), contracts(args.contracts)
@@ -455,6 +469,7 @@ def worker_section(args: argparse.Namespace) -> int:
                     run = worker_run(
                         base, f"{run_id}{which.lower()}{r}", processors, inputs if which == "A" else backlog_b,
                         want_a if which == "A" else want_b, per_tool, pin=pin, timeout=args.timeout,
+                        profile=args.profile if which == "B" and r == 0 else None,
                     )  # fmt: skip
                     runs[which].append(run)
                     got = run.got
@@ -497,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=4, help="Partitions of the worker section's topics.")
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds a worker run may take to catch up.")
     parser.add_argument("--quick", action="store_true", help="Small N, one run each: checks the outputs, not speed.")
+    parser.add_argument("--profile", type=Path, help="py-spy (raw) the first B worker from its first input record.")
     parser.add_argument("--no-pin", action="store_true", help="Do not pin to one core with taskset.")
     args = parser.parse_args(argv)
     if args.quick:
