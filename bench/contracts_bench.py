@@ -22,15 +22,17 @@ results, two ways, each run on a fresh topic prefix and app id, the runs alterna
 
 - A: TREADLE_PROCESSORS=steps; the clock stops when every step's final Transition is on its topic;
 - B: TREADLE_PROCESSORS=steps,contracts, its contracts registered on the contracts topic as `treadle contracts
-  register` does (effective from event time 0) and the steps' StateVersions already on the state_versions topic,
-  as a separate `state` worker publishes them (made beforehand by the state fold, 3 per step: its delta, dispatch
-  and result; the state processor's own cost is issue #28's, not part of this ratio). B reads those versions too,
+  register` does (effective from event time 0), and the steps' StateVersions on the state_versions topic as a
+  separate `state` worker publishes them (made beforehand by the state fold, 3 per step: its delta, dispatch and
+  result; produced once B reads its first input record; the state processor's own cost is issue #28's, not part of
+  this ratio). B reads those versions too,
   publishes a StepEvidence per input event and the ContractChecks and `contract` RewardSignals, and weaves those
   signals into its steps (so its final Transitions are later revisions); its clock stops when every final
   Transition, ContractCheck and StepEvidence is on its topic.
 
+Each worker is started once on its prefix before its backlog is produced (its changelogs exist, as after downtime).
 Both clocks (and CPU counts) start at the worker's first input record (FirstInput). The expected outputs come from
-an in-process fold of the same events; a run that misses one, or shows one not expected, fails the bench.
+an in-process fold of the same events; a run that misses one, or shows one not expected or twice, fails the bench.
 """
 
 from __future__ import annotations
@@ -439,12 +441,11 @@ def worker_run(
 def worker_section(args: argparse.Namespace) -> int:
     """A (steps) and B (steps,contracts) catching up the same backlog, alternated; 1 when an output was wrong."""
     from bench.common import bench_settings, keep_off_worker_core, local_stack
-    from topics.codec import AvroCodec as Codec
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # NotLeaderForPartition on new topics: retried
     pin = not args.no_pin and taskset_available()
     keep_off_worker_core(pin)  # Kafka, started below, inherits this: the worker's core is its own
-    codec, per_tool = Codec(), contracts(args.contracts)
+    codec, per_tool = AvroCodec(), contracts(args.contracts)
     events = workload(args.worker_steps)
     versions = state_versions(events)
     want_a, want_b = expected_outputs(events, versions, ContractBook(per_tool))
