@@ -68,6 +68,7 @@ bench-smoke: install
 	$(BIN)/python -m bench.state_soak --minutes 0.25 --rate 100 --sessions 10 --strict
 	$(BIN)/python -m bench.plans_bench --plans 60 --repeats 1 --codec
 	$(BIN)/python -m bench.plans_recovery_bench --plans 50
+	$(BIN)/python -m bench.contracts_bench --quick
 
 # Issue #25: kills of the worker, the sink, a broker (3-broker cluster) and Valkey under load; every table checked.
 chaos: install

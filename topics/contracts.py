@@ -210,22 +210,76 @@ def engine_source(expr: str) -> str:
     edits += [(m.start(), m.end(), f'["{m.group(1)}"]') for m in selects if m.start() not in tested]
     for start, end, text in sorted(edits, reverse=True):
         expr = expr[:start] + text + expr[end:]
-    return _world_parts(expr) if not _bound_names(expr) & {"state", "before"} else expr
+    return _node_handles(_world_parts(expr)) if not _bound_names(expr) & {"state", "before", "result"} else expr
 
 
-_WORLD_PART = re.compile(r"(?<![\w.])(state|before)\s*\[(#+)\]")
-_PARTS = {'"nodes"': "nodes", "'nodes'": "nodes", '"version"': "version", "'version'": "version"}
+_WORLD_PART = re.compile(r"(?<![\w.])(state|before|result)\s*\[(#+)\]")
+_WORLD_FIELDS = ("nodes", "version")
+RESULT_FIELDS = ("status", "output", "error", "latency_ms", "json")  # the keys of result_view
+_PARTS = {
+    name: {f"{q}{field}{q}": field for field in fields for q in "\"'"}
+    for name, fields in (("state", _WORLD_FIELDS), ("before", _WORLD_FIELDS), ("result", RESULT_FIELDS))
+}
 
 
 def _world_parts(expr: str) -> str:
     """`state["nodes"]` as the variable `treadle_state_nodes` (and so for `version` and `before`): the world's nodes
-    are then bound on their own, and reused while the world is unchanged (see WorldCache)."""
+    are then bound on their own, and reused while the world is unchanged (see WorldCache). And `result["status"]` as
+    `treadle_result_status` (so for each of its fields): only the fields a clause reads are converted, without the
+    map's keys (the map always has them, so the same value)."""
     edits = []
     for m in _WORLD_PART.finditer(_code_only(expr)):
-        part = _PARTS.get(expr[m.start(2) : m.end(2)])
+        part = _PARTS[m.group(1)].get(expr[m.start(2) : m.end(2)])
         if part is not None:
             edits.append((m.start(), m.end(), f"treadle_{m.group(1)}_{part}"))
     for start, end, text in reversed(edits):
+        expr = expr[:start] + text + expr[end:]
+    return expr
+
+
+_NODES_REF = re.compile(r"(?<![\w.])treadle_(state|before)_nodes(?!\w)")
+_KEYS_METHOD = re.compile(r"\.\s*(?:treadle_ordered|size)\s*\(\s*\)")  # a macro's range (its keys), its size
+_HAS_SELECT = re.compile(r"\.\s*[A-Za-z_]\w*\s*\)")  # has(nodes.key)
+_BEFORE_HAS = re.compile(r"(?<![\w.])has\s*\(\s*$")
+_BEFORE_SIZE = re.compile(r"(?<![\w.])size\s*\(\s*$")
+_BEFORE_IN = re.compile(r"(?<![\w.])in\s*$")
+
+
+def _closing_bracket(code: str, start: int) -> int | None:
+    depth = 0
+    for j in range(start, len(code)):
+        depth += {"[": 1, "]": -1}.get(code[j], 0)
+        if depth == 0:
+            return j
+    return None
+
+
+def _node_handles(expr: str) -> str:
+    """`treadle_state_nodes[k]` as `treadle_state_nodeopts[k].value()` (and so for `before`) when every use of the
+    world's nodes in `expr` is an index, a membership test (`in`), `size`, `has()` of a key or a macro's range: the
+    nodes are then bound as a map of engine handles (cel.OptionalValue, one per node, converted when the node
+    changes: see WorldCache), which the engine takes without converting the nodes again. The same keys, and the
+    same value for each (`.value()` of a handle is its node), so the same outcome. Any other use (the map compared,
+    passed whole, `[?k]`...) keeps the plain map."""
+    code, edits = _code_only(expr), []
+    for m in _NODES_REF.finditer(code):
+        head, rest = code[: m.start()], code[m.end() :]
+        after = rest.lstrip()
+        at = m.end() + len(rest) - len(after)  # where the next token starts
+        if after.startswith("["):
+            close = _closing_bracket(code, at)
+            if close is None or code[at + 1 : close].lstrip().startswith("?"):
+                return expr
+            edits.append((close + 1, close + 1, ".value()"))
+        elif after.startswith("."):
+            if not (_KEYS_METHOD.match(after) or (_HAS_SELECT.match(after) and _BEFORE_HAS.search(head))):
+                return expr
+        elif after.startswith("("):
+            return expr
+        elif not (_BEFORE_IN.search(head) or (_BEFORE_SIZE.search(head) and after.startswith(")"))):
+            return expr  # the map as a value: compared, in a list, passed to a function...
+        edits.append((m.start(), m.end(), f"treadle_{m.group(1)}_nodeopts"))
+    for start, end, text in sorted(edits, reverse=True):
         expr = expr[:start] + text + expr[end:]
     return expr
 
@@ -306,16 +360,26 @@ def compile_clauses(contract: Contract) -> tuple[list[CompiledClause], list[str]
 
 
 def bind(
-    clauses: Iterable[CompiledClause], views: Mapping[str, Callable[[], Any]], context: Any = None, bound: str = ""
+    clauses: Iterable[CompiledClause],
+    views: Mapping[str, Callable[[], Any]],
+    context: Any = None,
+    bound: frozenset[str] = frozenset(),
 ) -> Any:
     """A cel.Context for evaluating `clauses`: each variable (or part, see CompiledClause.binds) they read converted
     once (the conversion costs more than most evaluations), from `views` (name -> a function that makes its Python
-    value), into `context` when given (one from a WorldCache, where the name `bound` is bound already) or a new one.
-    A name without a view is left out, so a clause reading it is not evaluable."""
+    value), into `context` when given (one from a WorldCache, where the names in `bound` are bound already) or a
+    new one. A name without a view, or whose value the engine cannot hold, is left out, so a clause reading it is
+    not evaluable."""
     clauses = list(clauses)
-    names = set().union(*(c.binds for c in clauses))
-    names.discard(bound)
-    variables = {name: views[name]() for name in sorted(names) if name in views}
+    names = set().union(*(c.binds for c in clauses)) - bound
+    variables = {}
+    for name in sorted(names):
+        view = views.get(name)
+        if view is not None:
+            try:
+                variables[name] = view()
+            except ValueError:  # a node the engine cannot hold (see node_handles)
+                pass
     if context is not None:
         try:
             context.update(variables)
@@ -332,25 +396,73 @@ def bind(
     return context
 
 
+_WORLD_NAMES = frozenset({"treadle_state_nodes", "treadle_state_nodeopts"})
+
+
+@dataclass
+class _World:
+    key: Any  # names the world's content (see WorldCache)
+    context: Any  # cel.Context binding treadle_state_nodeopts (and treadle_state_nodes once a clause reads it)
+    handles: dict[str, tuple[Any, Any]]  # node id -> (its change mark, cel.OptionalValue of its view)
+    full: bool = False  # treadle_state_nodes is bound
+    functions: bool = False  # ORDERED is registered (a context with a Python function costs more per change)
+
+
 class WorldCache:
-    """Per session, its world's nodes converted to the engine's values, reused while the world is unchanged (between
-    a dispatch and its result, and over steps that change nothing): converting is most of a check's cost. `key`
-    names the world's content (the session's last ordinal that changed a node), so reuse cannot change an outcome."""
+    """Per session, its world's nodes converted to the engine's values: converting is most of a check's cost.
+
+    Each node is converted once per change into an engine handle (see node_handles), kept while its change mark
+    (the session's ordinal that last changed it) is the same, so a step that changes one node converts one node;
+    the cel.Context binding them is reused while the whole world is unchanged (between a dispatch and its result,
+    and over steps that change nothing). `key` and the marks name content (a session's state at an ordinal is a
+    function of its versions), so reuse cannot change an outcome."""
 
     def __init__(self, sessions: int = 1024) -> None:
         self._sessions = sessions
-        self._worlds: dict[str, tuple[Any, Any]] = {}  # session -> (key, cel.Context binding treadle_state_nodes)
+        self._worlds: dict[str, _World] = {}
 
-    def context(self, session: str, key: Any, nodes: Nodes) -> Any:
-        known = self._worlds.pop(session, None)
-        if known is not None and known[0] == key:
-            context = known[1]
-        else:
-            context = cel.Context({"treadle_state_nodes": nodes_view(nodes)}, _FUNCTIONS)
-        self._worlds[session] = (key, context)  # last used last; the oldest is dropped past the bound
+    def context(
+        self,
+        session: str,
+        key: Any,
+        nodes: Nodes,
+        changed: Mapping[str, Any] | None = None,
+        full: bool = False,
+        functions: bool = True,
+    ) -> Any:
+        """A context binding the world's nodes as handles (and as a plain map when `full`, and ORDERED when
+        `functions`); `changed`: node id -> its change mark (without it, every node is converted)."""
+        world = self._worlds.pop(session, None)
+        if world is None or world.key != key:
+            world = self._convert(key, nodes, changed or {}, world.handles if world is not None else {})
+        if functions and not world.functions:
+            world.context.add_function(ORDERED, ordered)
+            world.functions = True
+        if full and not world.full:
+            with contextlib.suppress(ValueError):  # left out: its clauses are not evaluable
+                world.context.update({"treadle_state_nodes": nodes_view(nodes)})
+            world.full = True
+        self._worlds[session] = world  # last used last; the oldest is dropped past the bound
         if len(self._worlds) > self._sessions:
             self._worlds.pop(next(iter(self._worlds)))
-        return context
+        return world.context
+
+    @staticmethod
+    def _convert(key: Any, nodes: Nodes, changed: Mapping[str, Any], known: dict[str, tuple[Any, Any]]) -> _World:
+        handles: dict[str, tuple[Any, Any]] = {}
+        try:
+            for nid, (node_type, data) in nodes.items():
+                if node_type in AUTO_NODE_TYPES:
+                    continue
+                mark, seen = changed.get(nid), known.get(nid)
+                if mark is not None and seen is not None and seen[0] == mark:
+                    handles[nid] = seen
+                else:
+                    handles[nid] = (mark, cel.OptionalValue.of(node_view(nid, node_type, data)))
+        except ValueError:  # a node the engine cannot hold: the world is left out, its clauses are not evaluable
+            return _World(key, cel.Context(), {})
+        bound = {"treadle_state_nodeopts": {nid: handle for nid, (_, handle) in handles.items()}}
+        return _World(key, cel.Context(bound), handles)
 
 
 def node_types_read(contract: Contract) -> set[str]:
@@ -414,22 +526,35 @@ def state_view(version: str, nodes: Nodes) -> dict[str, Any]:
     return {"version": version, "nodes": nodes_view(nodes)}
 
 
+def node_handles(nodes: Nodes) -> dict[str, Any]:
+    """`state.nodes` as the engine reads it after _node_handles: each node's view held as a cel.OptionalValue (the
+    engine converts it there, once; ValueError when it cannot hold it)."""
+    of = cel.OptionalValue.of
+    return {nid: of(node_view(nid, t, d)) for nid, (t, d) in nodes.items() if t not in AUTO_NODE_TYPES}
+
+
 def world_views(name: str, version: str, nodes: Nodes) -> dict[str, Callable[[], Any]]:
     """The views of `state` or `before` (`name`), whole and in parts (see CompiledClause.binds)."""
     return {
         name: lambda: state_view(version, nodes),
         f"treadle_{name}_nodes": lambda: nodes_view(nodes),
+        f"treadle_{name}_nodeopts": lambda: node_handles(nodes),
         f"treadle_{name}_version": lambda: version,
     }
+
+
+_JSON_STARTS = frozenset('{["-0123456789tfn')
 
 
 def result_view(result: Mapping[str, Any]) -> dict[str, Any]:
     """The `result` variable from a tool result (its record or its state node's data)."""
     output = result.get("output") or ""
-    try:
-        parsed = orjson.loads(output) if output else None
-    except orjson.JSONDecodeError:
-        parsed = None
+    parsed = None
+    if output.lstrip(" \t\n\r")[:1] in _JSON_STARTS:  # else not JSON: no parse (its error costs more than a parse)
+        try:
+            parsed = orjson.loads(output)
+        except orjson.JSONDecodeError:
+            parsed = None
     return {
         "status": result.get("status", ""),
         "output": output,
@@ -442,9 +567,10 @@ def result_view(result: Mapping[str, Any]) -> dict[str, Any]:
 # -- checking ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Check:
-    """One contract's outcome in one phase of one step."""
+    """One contract's outcome in one phase of one step (not frozen: one is made per contract and step, and a frozen
+    dataclass costs several times as much to make)."""
 
     contract: str
     version: int
@@ -478,9 +604,13 @@ class CompiledContract:
         """Whether every precondition holds (`context` binds `state`, see bind): the action mask."""
         return all(c.evaluate(context) is True for c in self.preconditions)
 
-    def check(self, phase: Phase, context: Any, values: dict[str, Any], unknown: str = "") -> Check | None:
+    def check(
+        self, phase: Phase, context: Any, values: dict[str, Any], unknown: str = "", seen: dict[str, Any] | None = None
+    ) -> Check | None:
         """The outcome of `phase`'s clauses in `context` (see bind), None when the phase has no clause. A clause
-        reading the variable named `unknown` is not evaluable without being run."""
+        reading the variable named `unknown` is not evaluable without being run. `seen` (engine source -> result)
+        shares the results of the same clause in several contracts checked in the same context: the engine is pure,
+        so one evaluation gives every copy's result."""
         clauses = self.pre if phase is Phase.PRE else self.post
         if not clauses:
             return None
@@ -488,8 +618,13 @@ class CompiledContract:
         for compiled in clauses:
             if unknown and unknown in compiled.variables:
                 result: bool | str = f"{unknown} is not known for this step"
-            else:
+            elif seen is None:
                 result = compiled.evaluate(context)
+            else:
+                source = compiled.program.source
+                result = seen.get(source)  # type: ignore[assignment]
+                if result is None:
+                    result = seen[source] = compiled.evaluate(context)
             if result is False:
                 violated.append(compiled.clause.name)
             elif result is not True:
@@ -533,12 +668,18 @@ def seen_values(
 
 
 def _world(
-    clauses: list[CompiledClause], views: dict[str, Callable[[], Any]], cache: WorldCache | None, world: Any
+    clauses: list[CompiledClause],
+    views: dict[str, Callable[[], Any]],
+    cache: WorldCache | None,
+    world: tuple[str, Any, Nodes, Mapping[str, Any] | None] | None,
 ) -> Any:
-    """The context for `clauses`, from the cache when given (`world`: (session, key, nodes)) and they read the nodes."""
-    if cache is None or world is None or not any("treadle_state_nodes" in c.binds for c in clauses):
+    """The context for `clauses`, from the cache when given (`world`: session, key, nodes, change marks) and they
+    read the nodes."""
+    reads = set().union(*(c.binds for c in clauses)) & _WORLD_NAMES
+    if cache is None or world is None or not reads:
         return bind(clauses, views)
-    return bind(clauses, views, cache.context(*world), bound="treadle_state_nodes")
+    context = cache.context(*world, full="treadle_state_nodes" in reads, functions=any(c.uses_ordered for c in clauses))
+    return bind(clauses, views, context, bound=_WORLD_NAMES)
 
 
 def check_pre(
@@ -548,16 +689,18 @@ def check_pre(
     params: Any,
     cache: WorldCache | None = None,
     world: tuple[str, Any] | None = None,
+    changed: Mapping[str, Any] | None = None,
 ) -> list[Check]:
     """Every contract's preconditions and parameter constraints at a dispatch, over the state it acted on. With a
-    `cache`, `world` is (session, key of `nodes`' content) and the converted nodes are reused."""
+    `cache`, `world` is (session, key of `nodes`' content), `changed` each node's change mark (see WorldCache), and
+    the converted nodes are reused."""
     clauses = [c for contract in contracts for c in contract.pre]
     if not clauses:
         return []
     views = {**world_views("state", version, nodes), "params": lambda: params}
-    context = _world(clauses, views, cache, (*world, nodes) if world else None)
-    values = seen_values(params, (version, nodes))
-    return [c for contract in contracts if (c := contract.check(Phase.PRE, context, values)) is not None]
+    context = _world(clauses, views, cache, (*world, nodes, changed) if world else None)
+    values, seen = seen_values(params, (version, nodes)), {}
+    return [c for contract in contracts if (c := contract.check(Phase.PRE, context, values, "", seen)) is not None]
 
 
 def check_post(
@@ -568,6 +711,7 @@ def check_post(
     result: Mapping[str, Any],
     cache: WorldCache | None = None,
     world: tuple[str, Any] | None = None,
+    changed: Mapping[str, Any] | None = None,
 ) -> list[Check]:
     """Every contract's postconditions at a tool result: `before` is the state at the dispatch (None when unknown:
     clauses that read it are then not evaluable), `after` the state at the result (`world` as in check_pre)."""
@@ -576,12 +720,14 @@ def check_post(
         return []
     view = result_view(result)
     views = {**world_views("state", *after), "params": lambda: params, "result": lambda: view}
+    views.update({f"treadle_result_{field}": lambda field=field: view[field] for field in RESULT_FIELDS})
     if before is not None:
         views.update(world_views("before", *before))
-    context = _world(clauses, views, cache, (*world, after[1]) if world else None)
+    context = _world(clauses, views, cache, (*world, after[1], changed) if world else None)
     values = seen_values(params, after, before, view)
-    unknown = "before" if before is None else ""
-    return [c for contract in contracts if (c := contract.check(Phase.POST, context, values, unknown)) is not None]
+    unknown, seen = "before" if before is None else "", {}
+    checks = (contract.check(Phase.POST, context, values, unknown, seen) for contract in contracts)
+    return [c for c in checks if c is not None]
 
 
 def available_actions(contracts: Iterable[CompiledContract], version: str, nodes: Nodes) -> list[str]:

@@ -50,11 +50,12 @@ class SessionContracts:
     nodes: dict[str, tuple[str, Any]] = field(default_factory=dict)
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)  # step -> dispatch facts for its postconditions
     world: int = 0  # the last ordinal that changed the world's nodes: names their content (WorldCache key)
+    changed: dict[str, int] = field(default_factory=dict)  # node id -> the last ordinal that changed it (its mark)
 
     def to_bytes(self) -> bytes:
         nodes = {k: list(v) for k, v in self.nodes.items()}
         return orjson.dumps({"ordinal": self.ordinal, "version": self.version, "nodes": nodes, "pending": self.pending,
-                             "world": self.world})  # fmt: skip
+                             "world": self.world, "changed": self.changed})  # fmt: skip
 
     @classmethod
     def from_bytes(cls, raw: bytes | None) -> SessionContracts:
@@ -62,7 +63,8 @@ class SessionContracts:
             return cls()
         doc = orjson.loads(raw)
         nodes = {k: (v[0], v[1]) for k, v in doc["nodes"].items()}
-        return cls(doc["ordinal"], doc["version"], nodes, doc["pending"], doc.get("world", doc["ordinal"]))
+        changed = doc.get("changed") or dict.fromkeys(nodes, doc["ordinal"])  # a node as it was at that ordinal
+        return cls(doc["ordinal"], doc["version"], nodes, doc["pending"], doc.get("world", doc["ordinal"]), changed)
 
 
 @dataclass(frozen=True)
@@ -126,10 +128,11 @@ def apply_changes(session: SessionContracts, version: dict[str, Any]) -> None:
         nxt = change["next"]
         if nxt is None:
             if session.nodes.pop(change["node_id"], None) is not None:
+                session.changed.pop(change["node_id"], None)
                 session.world = version["ordinal"]
         elif nxt["type"] not in AUTO_NODE_TYPES:
             session.nodes[change["node_id"]] = (nxt["type"], orjson.loads(nxt["data_json"]))
-            session.world = version["ordinal"]
+            session.changed[change["node_id"]] = session.world = version["ordinal"]
     session.ordinal, session.version = version["ordinal"], version["version_id"]
 
 
@@ -150,7 +153,8 @@ def fold(
         action = _node_data(version, f"action:{lid}") or {}
         params = action.get("params", {})
         world = (version["session_id"], session.world)
-        checks = check_pre(contracts, before_version, session.nodes, params, worlds, world)  # the world before it
+        # the world before it
+        checks = check_pre(contracts, before_version, session.nodes, params, worlds, world, session.changed)
         if any(c.post for c in contracts):
             keep = any(c.reads_before for c in contracts)  # else `before` is not worth a copy of the world
             session.pending[lid] = {
@@ -173,7 +177,8 @@ def fold(
     kept = pending["nodes"]
     before = (pending["version"], {k: (t, d) for k, (t, d) in kept.items()}) if kept is not None else None
     world = (version["session_id"], session.world)
-    checks = check_post(contracts, before, (session.version, session.nodes), pending["params"], result, worlds, world)
+    after = (session.version, session.nodes)
+    checks = check_post(contracts, before, after, pending["params"], result, worlds, world, session.changed)
     return Checked(version, Phase.POST, version.get("step"), tool, session.version, checks)
 
 
@@ -182,11 +187,12 @@ def _uuid5(prefix: Any, rest: str) -> str:
     the same id, without re-hashing the shared part or building UUID objects (it is made per check)."""
     digest = prefix.copy()
     digest.update(rest.encode())
-    raw = bytearray(digest.digest()[:16])
-    raw[6] = (raw[6] & 0x0F) | 0x50  # version 5
-    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    h = digest.hexdigest()
+    variant = _VARIANT[h[16]]  # RFC 4122 variant: the top two bits of byte 8 are 10
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{variant}{h[17:20]}-{h[20:32]}"  # version 5
+
+
+_VARIANT = {f"{n:x}": f"{0x8 | (n & 0x3):x}" for n in range(16)}
 
 
 def _id_prefix(session_id: str, step: str) -> Any:

@@ -3,6 +3,7 @@ action mask against a direct evaluation, and the fold over real state versions (
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import cel
@@ -12,14 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from processors.contracts.fold import (
+    _NAMESPACE,
     SOURCE,
     ContractBook,
     SessionContracts,
+    check_id,
     check_records,
     contract_signal,
     fold,
 )
 from processors.contracts.processor import ContractsProcessor
+from processors.rewards import signal_id
 from processors.state.graph import MemoryStore, SessionState, StateFold
 from sinks.rows import TABLE_COLUMNS, rows_for
 from topics.contracts import (
@@ -39,6 +43,7 @@ from topics.contracts import (
     engine_source,
     load_contract,
     registration_problems,
+    result_view,
     state_view,
     world_views,
 )
@@ -114,13 +119,19 @@ def test_the_state_view_leaves_out_the_graphs_own_step_nodes() -> None:
 
 def test_the_engine_source_indexes_fields_but_has_tests_and_literals_and_orders_macro_ranges() -> None:
     assert engine_source('params.path in state.nodes && state.nodes[params.path].type == "x.y"') == (
-        'params["path"] in treadle_state_nodes && treadle_state_nodes[params["path"]]["type"] == "x.y"'
+        'params["path"] in treadle_state_nodeopts && treadle_state_nodeopts[params["path"]].value()["type"] == "x.y"'
     )
     assert engine_source("has(state.nodes.a) && r'\\'.size() == 1 // state.nodes") == (
-        "has(treadle_state_nodes.a) && r'\\'.size() == 1 // state.nodes"
+        "has(treadle_state_nodeopts.a) && r'\\'.size() == 1 // state.nodes"
     )
+    assert engine_source("size(state.nodes[state.nodes.map(k, k)[0]].data) > size(before.nodes)") == (
+        'size(treadle_state_nodeopts[treadle_state_nodeopts.treadle_ordered().map(k, k)[0]].value()["data"]) > '
+        "size(treadle_before_nodeopts)"
+    )
+    for whole in ("state.nodes == before.nodes", "[state.nodes][0].a.type == 'f'", "state.nodes[?'a'].hasValue()"):
+        assert "nodeopts" not in engine_source(whole), whole  # the map used whole: the plain map
     assert engine_source("before.nodes.exists(n, n.startsWith('a')) && state != before") == (
-        "treadle_before_nodes.treadle_ordered().exists(n, n.startsWith('a')) && state != before"
+        "treadle_before_nodeopts.treadle_ordered().exists(n, n.startsWith('a')) && state != before"
     )
     assert (
         engine_source("[1].exists(state, state.nodes == 1)")
@@ -140,6 +151,9 @@ PLAIN_CLAUSES = [
     "has(state.nodes.a) ? state.nodes.a.data.size < 5 : params.path != 'a'",
     "state.nodes.exists(n, has(state.nodes[n].data.h) && state.nodes[n].data.h > 7)",
     "state.nodes.a.data.h + state.nodes.b.data.h > 9",
+    "state.nodes.all(k, state.nodes[k].type == 'file') && size(state.nodes) == state.nodes.size()",
+    "has(state.nodes[params.path].data.h) && !(params.path in state.nodes && state.nodes == state.nodes)",
+    "state.nodes.filter(k, state.nodes[k].type == 'file').size() <= size(state.nodes)",
 ]
 
 
@@ -156,6 +170,38 @@ def test_a_clause_means_the_same_as_the_engine_runs_it(nodes: dict[str, tuple[st
             bind([compiled], {**world_views("state", "v", nodes), "params": lambda: {"path": path}})
         )
         assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
+
+
+RESULT_CLAUSES = [
+    "result.status == 'OK' || result.latency_ms > 2.0",
+    "has(result.json.n) && result.json.n > 1 && result.error == null",
+    "result.json.n + result['json']['n'] > 3 && result != null",
+    "result.output.startsWith('{') || result.other == 1",
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    status=st.sampled_from(["OK", "ERROR"]),
+    output=st.sampled_from(["", "done", '{"n": 2}', '{"n": 1.5}', "[1]", " 7", "nul"]),
+    latency=st.floats(0, 5),
+)
+def test_a_postcondition_reading_result_fields_means_the_same_as_written(
+    status: str, output: str, latency: float
+) -> None:
+    """`result.status` runs as the variable `treadle_result_status` (each field bound alone): the same bool or
+    error as the clause as written over the whole `result` map."""
+    view = result_view({"status": status, "output": output, "latency_ms": latency})
+    for expr in RESULT_CLAUSES:
+        (compiled,), _ = compile_clauses(Contract(tool="t", postconditions=[expr]))
+        assert "treadle_result_" in compiled.program.source
+        written = outcome_of(lambda e=expr: cel.compile(e).execute({"result": view}))
+        (check,) = check_post([CompiledContract(Contract(tool="t", postconditions=[expr]))], None, ("v", {}), {},
+                              {"status": status, "output": output, "latency_ms": latency})  # fmt: skip
+        run = compiled.evaluate(bind([compiled], {"result": lambda: view} | {
+            f"treadle_result_{k}": lambda k=k: view[k] for k in view}))  # fmt: skip
+        assert (run if isinstance(run, bool) else run.split(":")[0]) == written, expr
+        assert check.outcome is {True: Outcome.PASSED, False: Outcome.VIOLATED}.get(written, Outcome.NOT_EVALUABLE)
 
 
 def outcome_of(run: Any) -> bool | str:
@@ -200,6 +246,37 @@ def test_a_value_the_engine_cannot_hold_makes_its_clauses_not_evaluable_even_in_
     (odd,) = check_pre([contract], "v", {}, {"x": {1.5: 2}}, worlds, ("s", 1))  # not JSON: a float key
     assert ok.outcome is Outcome.PASSED
     assert (odd.outcome, odd.failed) == (Outcome.NOT_EVALUABLE, ("params.x == 1",))  # not the stale params
+
+
+@settings(max_examples=60, deadline=None)
+@given(worlds=st.lists(st.tuples(WORLD, st.sampled_from(["a", "b", "z"])), min_size=1, max_size=6))
+def test_a_cached_world_converted_node_by_node_gives_what_a_fresh_one_gives(
+    worlds: list[tuple[dict[str, tuple[str, Any]], str]],
+) -> None:
+    """A session's worlds in turn through one WorldCache (each node's mark: the first turn it had its content)
+    check the same as each world bound afresh, plain map or node handles."""
+    contract = CompiledContract(Contract(tool="t", params=PLAIN_CLAUSES))
+    cache, marks, last = WorldCache(), {}, {}
+    for turn, (nodes, path) in enumerate(worlds, start=1):
+        for nid, node in nodes.items():
+            if last.get(nid) != node:
+                marks[nid] = turn
+        last = dict(nodes)
+        fresh = check_pre([contract], "v", nodes, {"path": path})
+        cached = check_pre([contract], "v", nodes, {"path": path}, cache, ("s", turn), marks)
+        assert cached == fresh
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.text(max_size=12), min_size=4, max_size=4))
+def test_check_and_signal_ids_are_the_uuid5s_they_stand_for(parts: list[str]) -> None:
+    """Made from the SHA-1 directly (they are made per check): the same ids as the uuid module's."""
+    session, step, contract, phase = parts
+    assert check_id(session, step, contract, phase) == str(
+        uuid.uuid5(_NAMESPACE, f"{session}\0{step}\0{contract}\0{phase}")
+    )
+    name = f"treadle-reward/{session}/{step}/{contract}"
+    assert signal_id(session, step, contract) == str(uuid.uuid5(uuid.NAMESPACE_URL, name))
 
 
 # -- registration refusals -------------------------------------------------------------------------------------------
@@ -429,6 +506,20 @@ def test_the_fold_is_deterministic_across_restarts_and_replays(kinds: list[str],
     assert run_fold(versions, book, restart_every, worlds) == first
     replayed = run_fold(versions[: len(versions) // 2] + versions, book, worlds=worlds)  # a crash: half published twice
     assert replayed == first
+
+
+def test_a_fold_record_without_change_marks_still_folds_the_same() -> None:
+    """A record written before the marks were kept: its nodes are marked with its ordinal (their content then)."""
+    versions = versions_of(workload(["write_existing", "write_unchanged", "write_missing", "write_existing"]))
+    book, worlds = ContractBook([write_file()]), WorldCache()
+    first, session, out = run_fold(versions, book), SessionContracts(), []
+    for version in versions:
+        checked = fold(session, version, book, worlds)
+        out += check_records(checked) + ([s] if (s := contract_signal(checked)) else []) if checked else []
+        doc = orjson.loads(session.to_bytes())
+        del doc["changed"]
+        session = SessionContracts.from_bytes(orjson.dumps(doc))
+    assert out == first
 
 
 def test_the_contract_signal_is_minus_one_on_a_violation_and_plus_one_when_all_passed() -> None:
