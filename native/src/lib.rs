@@ -6,10 +6,12 @@
 use pyo3::prelude::*;
 
 mod avro;
+mod columns;
 
 #[pymodule]
 fn treadle_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<avro::RecordCodec>()?;
+    m.add_class::<columns::NativeBlockWriter>()?;
     m.add("Refused", m.py().get_type::<avro::Refused>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
