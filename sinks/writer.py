@@ -296,7 +296,8 @@ class ClickHouseSink:
                 insert = self.store.insert_avro(table, container.to_bytes(), names, INSERT_SETTINGS)
             else:
                 try:
-                    block = writer.block(container.values)
+                    values = container.values  # read on the store's thread, without the GIL (NativeBlockWriter)
+                    block = await self.store.call(lambda _client: writer.block(values))
                 except ValueError as exc:  # treadle_native.Refused: a record it does not vouch for
                     log.warning("treadle_native refused a batch of %d records for %s (%s); decoding them in Python "
                                 "instead", container.rows, table, exc)  # fmt: skip

@@ -535,6 +535,35 @@ pub struct NativeBlockWriter {
 }
 
 impl NativeBlockWriter {
+    /// Every record read into the columns' buffers.
+    fn columns_of(&self, records: &[&[u8]]) -> R<Vec<Column>> {
+        let rows = records.len();
+        let total: usize = records.iter().map(|r| r.len()).sum();
+        let mut cols: Vec<Column> = self
+            .columns
+            .iter()
+            .map(|(name, wire, array, nullable, scalar)| Column {
+                name: name.clone(),
+                wire_type: wire.clone(),
+                array: *array,
+                nullable: *nullable,
+                scalar: *scalar,
+                offsets: Vec::with_capacity(if *array { rows * 8 } else { 0 }),
+                nulls: Vec::with_capacity(if *nullable { rows } else { 0 }),
+                data: Vec::with_capacity(if *scalar == Scalar::Str {
+                    total / 16
+                } else {
+                    rows * 8
+                }),
+                items: 0,
+            })
+            .collect();
+        for record in records {
+            self.record(&mut cols, record)?;
+        }
+        Ok(cols)
+    }
+
     fn record(&self, cols: &mut [Column], data: &[u8]) -> R<()> {
         if !data.starts_with(&self.prefix) {
             return Err(Reject);
@@ -702,40 +731,20 @@ impl NativeBlockWriter {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let rows = values.len();
         let mut records = Vec::with_capacity(rows);
-        let mut total = 0;
         for value in values.iter() {
             let bytes = value
                 .downcast_into::<PyBytes>()
                 .map_err(|_| Refused::new_err("a value is not bytes"))?;
-            total += bytes.as_bytes().len();
             records.push(bytes);
         }
-        let mut cols: Vec<Column> = self
-            .columns
-            .iter()
-            .map(|(name, wire, array, nullable, scalar)| Column {
-                name: name.clone(),
-                wire_type: wire.clone(),
-                array: *array,
-                nullable: *nullable,
-                scalar: *scalar,
-                offsets: Vec::with_capacity(if *array { rows * 8 } else { 0 }),
-                nulls: Vec::with_capacity(if *nullable { rows } else { 0 }),
-                data: Vec::with_capacity(if *scalar == Scalar::Str {
-                    total / 16
-                } else {
-                    rows * 8
-                }),
-                items: 0,
-            })
-            .collect();
-        for bytes in &records {
-            self.record(&mut cols, bytes.as_bytes()).map_err(|_| {
-                Refused::new_err(
-                    "a record is not well-formed for the schema or does not fit its columns",
-                )
-            })?;
-        }
+        let slices: Vec<&[u8]> = records.iter().map(|b| b.as_bytes()).collect();
+        // The records are read without the GIL: a sink that calls this on its ClickHouse thread leaves the
+        // interpreter to its event loop meanwhile.
+        let cols = py.allow_threads(|| self.columns_of(&slices)).map_err(|_| {
+            Refused::new_err(
+                "a record is not well-formed for the schema or does not fit its columns",
+            )
+        })?;
         let mut head = Vec::with_capacity(20);
         write_varuint(&mut head, cols.len() as u64);
         write_varuint(&mut head, rows as u64);
