@@ -61,6 +61,7 @@ struct Column {
     nulls: Vec<u8>,
     data: Vec<u8>,
     items: u64,
+    lc: bool,
 }
 
 /// What to do with one field of a record as it is read.
@@ -203,7 +204,7 @@ impl Schemas {
 }
 
 /// `(array, nullable, scalar, wire type)` of a ClickHouse column type, or why it is not covered.
-fn column_type(ch_type: &str) -> Result<(bool, bool, Scalar, String), String> {
+fn column_type(ch_type: &str) -> Result<(bool, bool, Scalar, String, bool), String> {
     fn unwrap<'a>(t: &'a str, wrapper: &str) -> Option<&'a str> {
         t.strip_prefix(wrapper)?
             .strip_prefix('(')?
@@ -212,9 +213,12 @@ fn column_type(ch_type: &str) -> Result<(bool, bool, Scalar, String), String> {
     fn plain(t: &str) -> &str {
         unwrap(t, "LowCardinality").unwrap_or(t)
     }
-    let mut t = plain(ch_type.trim());
+    let mut t = ch_type.trim();
+    let mut lc = unwrap(t, "LowCardinality").is_some();
+    t = plain(t);
     let array = match unwrap(t, "Array") {
         Some(inner) => {
+            lc |= unwrap(inner, "LowCardinality").is_some();
             t = plain(inner);
             true
         }
@@ -243,15 +247,19 @@ fn column_type(ch_type: &str) -> Result<(bool, bool, Scalar, String), String> {
         _ if t.starts_with("DateTime64(6") => Scalar::Int64,
         _ => return Err(format!("column type {ch_type} is not covered")),
     };
+    let lc = lc && scalar == Scalar::Str; // strings only: a LowCardinality number is sent as its plain type
     let mut wire = if nullable {
         format!("Nullable({t})")
     } else {
         t.to_string()
     };
+    if lc {
+        wire = format!("LowCardinality({wire})");
+    }
     if array {
         wire = format!("Array({wire})");
     }
-    Ok((array, nullable, scalar, wire))
+    Ok((array, nullable, scalar, wire, lc))
 }
 
 /// Whether an Avro value (not a union) can go into a column of this scalar type exactly as the Python row does.
@@ -276,6 +284,100 @@ fn fits_column(value: &Avro, nullable: bool, scalar: Scalar) -> bool {
         Avro::Nullable { inner, .. } => nullable && fits(inner, scalar),
         other => fits(other, scalar),
     }
+}
+
+/// LowCardinality in a Native block, as ClickHouse writes it: a version (once per column, before an array's offsets),
+/// then the dictionary of this block ("additional keys": the default string first, after a null placeholder when
+/// nullable) and one index per value. Sending String for a LowCardinality column made ClickHouse build the dictionary
+/// at insert, which cost it more than this does.
+const LC_SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS: u64 = 1;
+const LC_HAS_ADDITIONAL_KEYS: u64 = 1 << 9;
+const LC_NEED_UPDATE_DICTIONARY: u64 = 1 << 10;
+
+/// A fast hash for the dictionary's keys (FxHash's multiply-rotate over 8-byte words).
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let mut h = self.0;
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            h = (h.rotate_left(5) ^ u64::from_le_bytes(word.try_into().unwrap())).wrapping_mul(K);
+        }
+        let rest = words.remainder();
+        let mut last = [0u8; 8];
+        last[..rest.len()].copy_from_slice(rest);
+        self.0 = (h.rotate_left(5) ^ u64::from_le_bytes(last) ^ bytes.len() as u64).wrapping_mul(K);
+    }
+}
+
+/// The LowCardinality body of `count` strings serialized in `data` (varuint length + bytes each), null where
+/// `nulls` says so; empty when there are no values (as ClickHouse writes it).
+fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize) -> Vec<u8> {
+    if count == 0 {
+        return Vec::new();
+    }
+    let empty: &[u8] = b"";
+    let mut keys: Vec<&[u8]> = if nullable {
+        vec![empty, empty]
+    } else {
+        vec![empty]
+    };
+    let default_at = keys.len() as u64 - 1;
+    let mut known: HashMap<&[u8], u64, std::hash::BuildHasherDefault<KeyHasher>> =
+        HashMap::default();
+    let mut indexes: Vec<u64> = Vec::with_capacity(count);
+    let mut pos = 0;
+    for i in 0..count {
+        let mut len = 0u64;
+        let mut shift = 0;
+        loop {
+            let byte = data[pos];
+            pos += 1;
+            len |= ((byte & 0x7F) as u64) << shift;
+            if byte < 0x80 {
+                break;
+            }
+            shift += 7;
+        }
+        let s = &data[pos..pos + len as usize];
+        pos += len as usize;
+        indexes.push(if nullable && nulls[i] == 1 {
+            0
+        } else if s.is_empty() {
+            default_at
+        } else {
+            *known.entry(s).or_insert_with(|| {
+                keys.push(s);
+                keys.len() as u64 - 1
+            })
+        });
+    }
+    let (index_type, width) = match keys.len() {
+        0..=0x100 => (0u64, 1),
+        0x101..=0x1_0000 => (1, 2),
+        _ => (2, 4),
+    };
+    let mut out = Vec::with_capacity(data.len() + count * width + 32);
+    out.extend_from_slice(
+        &(index_type | LC_HAS_ADDITIONAL_KEYS | LC_NEED_UPDATE_DICTIONARY).to_le_bytes(),
+    );
+    out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+    for key in &keys {
+        write_varuint(&mut out, key.len() as u64);
+        out.extend_from_slice(key);
+    }
+    out.extend_from_slice(&(count as u64).to_le_bytes());
+    for index in indexes {
+        out.extend_from_slice(&index.to_le_bytes()[..width]);
+    }
+    out
 }
 
 struct Reject;
@@ -531,7 +633,7 @@ fn put_value(col: &mut Column, node: &Avro, data: &[u8], pos: &mut usize) -> R<(
 pub struct NativeBlockWriter {
     prefix: Vec<u8>,
     steps: Vec<Step>,
-    columns: Vec<(String, String, bool, bool, Scalar)>, // name, wire type, array, nullable, scalar
+    columns: Vec<(String, String, bool, bool, Scalar, bool)>, // name, wire type, array, nullable, scalar, lc
 }
 
 impl NativeBlockWriter {
@@ -542,7 +644,7 @@ impl NativeBlockWriter {
         let mut cols: Vec<Column> = self
             .columns
             .iter()
-            .map(|(name, wire, array, nullable, scalar)| Column {
+            .map(|(name, wire, array, nullable, scalar, lc)| Column {
                 name: name.clone(),
                 wire_type: wire.clone(),
                 array: *array,
@@ -556,10 +658,16 @@ impl NativeBlockWriter {
                     rows * 8
                 }),
                 items: 0,
+                lc: *lc,
             })
             .collect();
         for record in records {
             self.record(&mut cols, record)?;
+        }
+        for col in cols.iter_mut().filter(|c| c.lc) {
+            let count = if col.array { col.items as usize } else { rows };
+            col.data = low_cardinality(&col.data, &col.nulls, col.nullable, count);
+            col.nulls = Vec::new(); // a LowCardinality(Nullable) column says null by its index
         }
         Ok(cols)
     }
@@ -644,16 +752,16 @@ impl NativeBlockWriter {
         let mut typed = Vec::new();
         let mut by_name: HashMap<&str, usize> = HashMap::new();
         for (i, (name, ch_type)) in columns.iter().enumerate() {
-            let (array, nullable, scalar, wire) =
+            let (array, nullable, scalar, wire, lc) =
                 column_type(ch_type).map_err(PyValueError::new_err)?;
-            typed.push((name.clone(), wire, array, nullable, scalar));
+            typed.push((name.clone(), wire, array, nullable, scalar, lc));
             by_name.insert(name.as_str(), i);
         }
         let mut fed = vec![false; columns.len()];
         let mut steps = Vec::new();
         for (fname, node) in &fields {
             if let Some(&col) = by_name.get(fname.as_str()) {
-                let (_, _, array, nullable, scalar) = &typed[col];
+                let (_, _, array, nullable, scalar, _) = &typed[col];
                 let ok = match (node, array) {
                     (Avro::Array(items), true) => fits_column(items, *nullable, *scalar),
                     (_, false) => fits_column(node, *nullable, *scalar),
@@ -694,7 +802,7 @@ impl NativeBlockWriter {
             for (sub, sub_node) in item_fields {
                 let target = by_name.get(format!("{fname}.{sub}").as_str()).copied();
                 if let Some(col) = target {
-                    let (_, _, array, nullable, scalar) = &typed[col];
+                    let (_, _, array, nullable, scalar, _) = &typed[col];
                     if !*array || !fits_column(sub_node, *nullable, *scalar) {
                         return Err(PyValueError::new_err(format!(
                             "field {fname}.{sub} does not fit its column"
@@ -758,8 +866,13 @@ impl NativeBlockWriter {
             name.extend_from_slice(col.wire_type.as_bytes());
             names.push(name);
         }
+        let version = LC_SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS.to_le_bytes();
         for (col, name) in cols.iter().zip(&names) {
-            parts.extend([name.as_slice(), &col.offsets, &col.nulls, &col.data]);
+            if col.lc {
+                parts.extend([name.as_slice(), &version, &col.offsets, &col.data]);
+            } else {
+                parts.extend([name.as_slice(), &col.offsets, &col.nulls, &col.data]);
+            }
         }
         let size = parts.iter().map(|p| p.len()).sum();
         PyBytes::new_with(py, size, |buf| {

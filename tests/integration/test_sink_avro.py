@@ -154,6 +154,16 @@ def test_the_bytes_land_as_the_python_mapper_maps_them(
     through_both_paths(stores, kind, data.draw(encoded(kind)))
 
 
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=values(CODEC.schemas[SCHEMA_OF["transitions"]].json))
+def test_more_distinct_strings_than_a_byte_indexes(
+    stores: tuple[ClickHouseStore, ClickHouseStore], byte_path: str, record: dict[str, Any]
+) -> None:
+    """300 agents in a LowCardinality column: the Native block's dictionary needs 2-byte indexes."""
+    batch = [{**record, "session_id": f"s{i}", "agent_id": f"agent-{i}"} for i in range(300)]
+    through_both_paths(stores, "transitions", [CODEC.encode(SCHEMA_OF["transitions"], r) for r in batch])
+
+
 LATE = CODEC.schemas[SCHEMA_OF["late_rewards"]]
 
 

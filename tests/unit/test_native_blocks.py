@@ -72,7 +72,8 @@ def text(s: str) -> bytes:
 def test_a_block_is_native_format_column_by_column() -> None:
     block = writer().block([record("hi", None, 1, [(1.5, 3), (2.0, 4)]), record("", 5, 0, [], skipped=9)])
     expected = b"\x05\x02"  # columns, rows
-    expected += text("s") + text("String") + text("hi") + text("")  # LowCardinality is written as its plain type
+    expected += text("s") + text("LowCardinality(String)") + struct.pack("<QQQ", 1, 0x600, 2)  # version, flags, keys
+    expected += text("") + text("hi") + struct.pack("<Q", 2) + bytes([1, 0])  # the default first; an index per row
     expected += text("n") + text("Nullable(Int64)") + b"\x01\x00" + struct.pack("<qq", 0, 5)
     expected += text("kind") + text("String") + text("B") + text("A")
     expected += text("a.x") + text("Array(Float64)") + struct.pack("<QQ", 2, 2) + struct.pack("<dd", 1.5, 2.0)
