@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use serde_json::Value;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use crate::avro::Refused;
 
@@ -62,6 +63,7 @@ struct Column {
     data: Vec<u8>,
     items: u64,
     lc: bool,
+    lc_body: Vec<u8>, // a LowCardinality column's data, made from `data` once every record is read
 }
 
 /// What to do with one field of a record as it is read.
@@ -319,9 +321,10 @@ impl std::hash::Hasher for KeyHasher {
 
 /// The LowCardinality body of `count` strings serialized in `data` (varuint length + bytes each), null where
 /// `nulls` says so; empty when there are no values (as ClickHouse writes it).
-fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize) -> Vec<u8> {
+fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize, out: &mut Vec<u8>) {
+    out.clear();
     if count == 0 {
-        return Vec::new();
+        return;
     }
     let empty: &[u8] = b"";
     let mut keys: Vec<&[u8]> = if nullable {
@@ -364,20 +367,19 @@ fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize) -> V
         0x101..=0x1_0000 => (1, 2),
         _ => (2, 4),
     };
-    let mut out = Vec::with_capacity(data.len() + count * width + 32);
+    out.reserve(data.len() + count * width + 32);
     out.extend_from_slice(
         &(index_type | LC_HAS_ADDITIONAL_KEYS | LC_NEED_UPDATE_DICTIONARY).to_le_bytes(),
     );
     out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
     for key in &keys {
-        write_varuint(&mut out, key.len() as u64);
+        write_varuint(out, key.len() as u64);
         out.extend_from_slice(key);
     }
     out.extend_from_slice(&(count as u64).to_le_bytes());
     for index in indexes {
         out.extend_from_slice(&index.to_le_bytes()[..width]);
     }
-    out
 }
 
 struct Reject;
@@ -634,15 +636,40 @@ pub struct NativeBlockWriter {
     prefix: Vec<u8>,
     steps: Vec<Step>,
     columns: Vec<(String, String, bool, bool, Scalar, bool)>, // name, wire type, array, nullable, scalar, lc
+    /// The last block's column buffers, cleared and filled again by the next one: fresh multi-megabyte buffers per
+    /// block cost more in page faults than reading the records does.
+    spare: Mutex<Option<Vec<Column>>>,
 }
 
 impl NativeBlockWriter {
     /// Every record read into the columns' buffers.
-    fn columns_of(&self, records: &[&[u8]]) -> R<Vec<Column>> {
+    fn columns_of(&self, records: &[&[u8]], spare: Option<Vec<Column>>) -> R<Vec<Column>> {
         let rows = records.len();
         let total: usize = records.iter().map(|r| r.len()).sum();
-        let mut cols: Vec<Column> = self
-            .columns
+        let mut cols: Vec<Column> = match spare {
+            Some(mut cols) => {
+                for col in &mut cols {
+                    col.offsets.clear();
+                    col.nulls.clear();
+                    col.data.clear();
+                    col.items = 0;
+                }
+                cols
+            }
+            None => self.fresh_columns(rows, total),
+        };
+        for record in records {
+            self.record(&mut cols, record)?;
+        }
+        for col in cols.iter_mut().filter(|c| c.lc) {
+            let count = if col.array { col.items as usize } else { rows };
+            low_cardinality(&col.data, &col.nulls, col.nullable, count, &mut col.lc_body);
+        }
+        Ok(cols)
+    }
+
+    fn fresh_columns(&self, rows: usize, total: usize) -> Vec<Column> {
+        self.columns
             .iter()
             .map(|(name, wire, array, nullable, scalar, lc)| Column {
                 name: name.clone(),
@@ -659,17 +686,9 @@ impl NativeBlockWriter {
                 }),
                 items: 0,
                 lc: *lc,
+                lc_body: Vec::new(),
             })
-            .collect();
-        for record in records {
-            self.record(&mut cols, record)?;
-        }
-        for col in cols.iter_mut().filter(|c| c.lc) {
-            let count = if col.array { col.items as usize } else { rows };
-            col.data = low_cardinality(&col.data, &col.nulls, col.nullable, count);
-            col.nulls = Vec::new(); // a LowCardinality(Nullable) column says null by its index
-        }
-        Ok(cols)
+            .collect()
     }
 
     fn record(&self, cols: &mut [Column], data: &[u8]) -> R<()> {
@@ -827,6 +846,7 @@ impl NativeBlockWriter {
             prefix,
             steps,
             columns: typed,
+            spare: Mutex::new(None),
         })
     }
 
@@ -848,11 +868,15 @@ impl NativeBlockWriter {
         let slices: Vec<&[u8]> = records.iter().map(|b| b.as_bytes()).collect();
         // The records are read without the GIL: a sink that calls this on its ClickHouse thread leaves the
         // interpreter to its event loop meanwhile.
-        let cols = py.allow_threads(|| self.columns_of(&slices)).map_err(|_| {
-            Refused::new_err(
-                "a record is not well-formed for the schema or does not fit its columns",
-            )
-        })?;
+        // Never waits: busy only while another thread makes a block with this writer; then this one's are fresh.
+        let spare = self.spare.try_lock().ok().and_then(|mut held| held.take());
+        let cols = py
+            .allow_threads(|| self.columns_of(&slices, spare))
+            .map_err(|_| {
+                Refused::new_err(
+                    "a record is not well-formed for the schema or does not fit its columns",
+                )
+            })?;
         let mut head = Vec::with_capacity(20);
         write_varuint(&mut head, cols.len() as u64);
         write_varuint(&mut head, rows as u64);
@@ -869,19 +893,24 @@ impl NativeBlockWriter {
         let version = LC_SHARED_DICTIONARIES_WITH_ADDITIONAL_KEYS.to_le_bytes();
         for (col, name) in cols.iter().zip(&names) {
             if col.lc {
-                parts.extend([name.as_slice(), &version, &col.offsets, &col.data]);
+                parts.extend([name.as_slice(), &version, &col.offsets, &col.lc_body]);
             } else {
                 parts.extend([name.as_slice(), &col.offsets, &col.nulls, &col.data]);
             }
         }
         let size = parts.iter().map(|p| p.len()).sum();
-        PyBytes::new_with(py, size, |buf| {
+        let block = PyBytes::new_with(py, size, |buf| {
             let mut at = 0;
             for part in &parts {
                 buf[at..at + part.len()].copy_from_slice(part);
                 at += part.len();
             }
             Ok(())
-        })
+        });
+        drop(parts);
+        if let Ok(mut held) = self.spare.try_lock() {
+            *held = Some(cols);
+        }
+        block
     }
 }
