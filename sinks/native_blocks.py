@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from sinks.clickhouse import ClickHouseStore, checked_identifier
@@ -22,6 +23,7 @@ from topics.schemas import AvroSchema
 log = logging.getLogger(__name__)
 
 FORMAT = "Native"
+ENV = "TREADLE_SINK_NATIVE_BLOCKS"
 
 
 class NativeBlocks:
@@ -33,8 +35,15 @@ class NativeBlocks:
 
     @staticmethod
     def available() -> bool:
-        """treadle_native is installed, has the writer, and TREADLE_NATIVE is not 0."""
-        return native_codec.enabled() and hasattr(native_codec.treadle_native, "NativeBlockWriter")
+        """TREADLE_SINK_NATIVE_BLOCKS=1, treadle_native is installed with the writer, and TREADLE_NATIVE is not 0.
+
+        Off by default for now: with it on, tests/integration/test_weaving_pipeline.py's kill -9 test did not reach
+        its oracle's rows (twice; it passes with it off), and the cause is not found yet."""
+        return (
+            os.environ.get(ENV, "0").strip() in ("1", "true", "yes", "on")
+            and native_codec.enabled()
+            and hasattr(native_codec.treadle_native, "NativeBlockWriter")
+        )
 
     async def writer(self, table: str, schema: AvroSchema, names: tuple[str, ...]) -> Any | None:
         """The writer of `schema`'s records into `names` of `table`, or None where it does not cover them."""

@@ -124,6 +124,7 @@ def byte_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv("TREADLE_NATIVE", "0")
     else:
         monkeypatch.delenv("TREADLE_NATIVE", raising=False)
+        monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
         assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
     return str(request.param)
 
@@ -201,10 +202,14 @@ TRANSITION = CODEC.schemas[SCHEMA_OF["transitions"]]
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=records("transitions", min_size=2, max_size=4), revision=st.sampled_from([-1, -(2**31), 2**31 - 1]))
 def test_a_value_its_column_does_not_take_is_left_to_the_python_way(
-    stores: tuple[ClickHouseStore, ClickHouseStore], batch: list[dict[str, Any]], revision: int
+    stores: tuple[ClickHouseStore, ClickHouseStore],
+    monkeypatch: pytest.MonkeyPatch,
+    batch: list[dict[str, Any]],
+    revision: int,
 ) -> None:
     """revision is an Avro int in a UInt32 column: the native writer refuses a negative one, and the batch then lands
     exactly as the Python mapper and clickhouse-connect make it (which is what the sink did before NativeBlocks)."""
+    monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
     assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
     batch[0]["revision"] = revision
     values = [CODEC.encode(TRANSITION.name, record) for record in batch]
