@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,8 @@ from bench.workload import final_transitions, make_steps
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
+from sinks.native_blocks import ENV as NATIVE_BLOCKS_ENV
+from sinks.native_blocks import NativeBlocks
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.writer import INSERT_SETTINGS, ClickHouseSink
 from topics.codec import AvroCodec
@@ -43,6 +46,7 @@ SINK_DECODED = "ClickHouseSink, decoded records"
 DIRECT_ARROW = "direct chDB insert (Arrow)"
 DIRECT_COLUMNS = "direct chDB insert (Python columns)"
 DIRECT_AVRO = "direct chDB insert (Avro)"
+DIRECT_NATIVE = "direct chDB insert (Native)"
 TARGET = 0.8
 SINK_ENCODED_COMMAND = (
     "ClickHouseSink(batch_size={batch}).add_encoded('transitions', avro bytes, Transition) per record, as the "
@@ -50,6 +54,9 @@ SINK_ENCODED_COMMAND = (
 )
 SINK_DECODED_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', decoded record) per record; flush()"
 ARROW_COMMAND = "client.raw_insert('transitions', prebuilt Arrow IPC stream, fmt='ArrowStream'), {batch} rows each"
+NATIVE_COMMAND = (
+    "client.raw_insert('transitions', prebuilt Native block (chDB's own output), fmt='Native'), {batch} each"
+)
 AVRO_COMMAND = "client.raw_insert('transitions', prebuilt Avro container of the same bytes, fmt='Avro'), {batch} each"
 COLUMNS_COMMAND = "client.insert('transitions', prebuilt columns, column_oriented=True), {batch} rows per insert"
 NAMES = TABLE_COLUMNS["transitions"]
@@ -99,36 +106,50 @@ def arrow_streams(store: ClickHouseStore, batches: list[list[list[Any]]]) -> lis
     return streams
 
 
-async def _sink_encoded(store: ClickHouseStore, encoded: list[bytes], batch: int) -> float:
-    sink = ClickHouseSink(store, batch_size=batch)
-    started = time.perf_counter()
+async def _sink_encoded(store: ClickHouseStore, encoded: list[bytes], batch: int, codec: AvroCodec) -> None:
+    sink = ClickHouseSink(store, batch_size=batch, codec=codec)
     for value in encoded:
         if sink.add_encoded("transitions", value, TRANSITION):
             await sink.flush()
     await sink.flush()
-    return time.perf_counter() - started
 
 
-async def _sink_decoded(store: ClickHouseStore, records: list[dict[str, Any]], batch: int) -> float:
-    sink = ClickHouseSink(store, batch_size=batch)
-    started = time.perf_counter()
+async def _sink_decoded(store: ClickHouseStore, records: list[dict[str, Any]], batch: int, codec: AvroCodec) -> None:
+    sink = ClickHouseSink(store, batch_size=batch, codec=codec)
     for record in records:
         if sink.add("transitions", record):
             await sink.flush()
     await sink.flush()
-    return time.perf_counter() - started
 
 
-async def _direct_arrow(store: ClickHouseStore, streams: list[bytes]) -> float:
+async def _direct(store: ClickHouseStore, blocks: list[bytes], fmt: str) -> None:
+    """Prebuilt blocks in format `fmt` (ArrowStream, Native, Avro), one insert each."""
     target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
-    started = time.perf_counter()
-    for stream in streams:
+    for block in blocks:
         await store.call(
-            lambda client, stream=stream: client.raw_insert(
-                target, names, insert_block=stream, fmt="ArrowStream", settings=settings
-            )
+            lambda client, block=block: client.raw_insert(target, names, insert_block=block, fmt=fmt, settings=settings)
         )
-    return time.perf_counter() - started
+
+
+def native_blocks(store: ClickHouseStore, batches: list[list[list[Any]]], streams: list[bytes]) -> list[bytes]:
+    """The same batches as Native blocks written by chDB itself, rows in the same order (a block sorted by the
+    table's key would insert faster than the sink's batches can be), in the table's own column types."""
+    columns = ", ".join(f"`{name}`" for name in NAMES)
+    target, settings = f"{DIRECT_DB}.transitions", dict(INSERT_SETTINGS)
+    ids_at = NAMES.index("logical_event_id")  # unique per row here
+    store.command_sync(f"TRUNCATE TABLE {target}")
+    blocks = []
+    for batch, stream in zip(batches, streams, strict=True):
+        store.call_sync(lambda c, s=stream: c.raw_insert(target, list(NAMES), insert_block=s, fmt="ArrowStream",
+                                                         settings=settings))  # fmt: skip
+        query = (
+            f"SELECT {columns} FROM {target} WHERE logical_event_id IN {{ids:Array(String)}} "
+            "ORDER BY indexOf({ids:Array(String)}, logical_event_id) FORMAT Native"
+        )
+        ids = batch[ids_at]
+        blocks.append(store.call_sync(lambda c, q=query, ids=ids: c.raw_query(q, parameters={"ids": ids})))
+        store.command_sync(f"TRUNCATE TABLE {target}")
+    return blocks
 
 
 def avro_containers(encoded: list[bytes], batch: int) -> list[bytes]:
@@ -143,19 +164,8 @@ def avro_containers(encoded: list[bytes], batch: int) -> list[bytes]:
     return files
 
 
-async def _direct_avro(store: ClickHouseStore, files: list[bytes]) -> float:
-    target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
-    started = time.perf_counter()
-    for data in files:
-        await store.call(
-            lambda client, data=data: client.raw_insert(target, names, insert_block=data, fmt="Avro", settings=settings)
-        )
-    return time.perf_counter() - started
-
-
-async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]) -> float:
+async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]) -> None:
     names, settings = list(NAMES), dict(INSERT_SETTINGS)
-    started = time.perf_counter()
     for columns in batches:
         await store.call(
             lambda client, columns=columns: client.insert(
@@ -163,15 +173,19 @@ async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]
                 settings=settings,
             )
         )  # fmt: skip
-    return time.perf_counter() - started
 
 
-async def _timed(store: ClickHouseStore, db: str, rows: int, run: Callable[[], Awaitable[float]]) -> tuple[float, bool]:
-    """One run into an emptied table: its seconds, and whether the table then holds exactly `rows` rows."""
+async def _timed(
+    store: ClickHouseStore, db: str, rows: int, run: Callable[[], Awaitable[None]]
+) -> tuple[float, float, bool]:
+    """One run into an emptied table: its process CPU seconds (every thread: chDB inserts in this process), its wall
+    seconds, and whether the table then holds exactly `rows` rows."""
     await store.command(f"TRUNCATE TABLE {db}.transitions")
-    elapsed = await run()
+    cpu, wall = time.process_time(), time.perf_counter()
+    await run()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     count = (await store.query(f"SELECT count() FROM {db}.transitions")).result_rows[0][0]
-    return elapsed, count == rows
+    return cpu, wall, count == rows
 
 
 async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> list[Measurement]:
@@ -180,63 +194,75 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
     encoded = [codec.encode(TRANSITION, record) for record in records]  # as the Transitions topic holds them
     batches = column_batches(records, batch)  # the direct inserts get their columns for free
     streams = arrow_streams(store, batches)
+    blocks = native_blocks(store, batches, streams)
     files = avro_containers(encoded, batch)
-    runs: dict[str, Callable[[], Awaitable[float]]] = {
-        DIRECT_ARROW: lambda: _direct_arrow(store, streams),
-        SINK_ENCODED: lambda: _sink_encoded(store, encoded, batch),
+    runs: dict[str, Callable[[], Awaitable[None]]] = {
+        DIRECT_ARROW: lambda: _direct(store, streams, "ArrowStream"),
+        SINK_ENCODED: lambda: _sink_encoded(store, encoded, batch, codec),
+        DIRECT_NATIVE: lambda: _direct(store, blocks, "Native"),
         DIRECT_COLUMNS: lambda: _direct_columns(store, batches),
-        DIRECT_AVRO: lambda: _direct_avro(store, files),
-        SINK_DECODED: lambda: _sink_decoded(store, records, batch),
+        DIRECT_AVRO: lambda: _direct(store, files, "Avro"),
+        SINK_DECODED: lambda: _sink_decoded(store, records, batch, codec),
     }
-    db = {DIRECT_ARROW: DIRECT_DB, DIRECT_COLUMNS: DIRECT_DB, DIRECT_AVRO: DIRECT_DB, SINK_ENCODED: SINK_DB}
-    db[SINK_DECODED] = SINK_DB
-    await _sink_encoded(store, encoded[:1000], batch)  # warm-up: first inserts create parts, load code
-    await _sink_decoded(store, records[:1000], batch)
-    await _direct_arrow(store, arrow_streams(store, column_batches(records[:1000], batch)))
-    samples: dict[str, list[float]] = {name: [] for name in runs}
+    db = dict.fromkeys(runs, DIRECT_DB) | {SINK_ENCODED: SINK_DB, SINK_DECODED: SINK_DB}
+    await _sink_encoded(store, encoded[:1000], batch, codec)  # warm-up: first inserts create parts, load code
+    await _sink_decoded(store, records[:1000], batch, codec)
+    await _direct(store, arrow_streams(store, column_batches(records[:1000], batch)), "ArrowStream")
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
     wrong: set[str] = set()
     for repeat in range(repeats):  # alternating, and each repeat in the other order, so drift hits every path
         for name in runs if repeat % 2 == 0 else reversed(runs):
-            elapsed, right = await _timed(store, db[name], rows, runs[name])
-            samples[name].append(elapsed)
+            used, elapsed, right = await _timed(store, db[name], rows, runs[name])
+            cpu[name].append(used)
+            wall[name].append(elapsed)
             if not right:
                 wrong.add(name)
     components = sum(len(r["reward_components"]) for r in records) / rows
     made = {
-        name: median_run(SECTION, name, command.format(batch=batch), rows, "rows", samples[name])
+        name: median_run(SECTION, name, command.format(batch=batch), rows, "rows", cpu[name])
         for name, command in (
-            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND), (DIRECT_AVRO, AVRO_COMMAND),
-            (SINK_ENCODED, SINK_ENCODED_COMMAND), (SINK_DECODED, SINK_DECODED_COMMAND),
+            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_NATIVE, NATIVE_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND),
+            (DIRECT_AVRO, AVRO_COMMAND), (SINK_ENCODED, SINK_ENCODED_COMMAND), (SINK_DECODED, SINK_DECODED_COMMAND),
         )
     }  # fmt: skip
-    fastest = min((DIRECT_ARROW, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)  # of prebuilt columns
+    fastest = min((DIRECT_ARROW, DIRECT_NATIVE, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)  # prebuilt
     settings = ", ".join(f"{k}={v}" for k, v in INSERT_SETTINGS.items())
     made[fastest].notes.append(f"the baseline: the fastest direct insert this run; prebuilt, untimed; {settings}")
     made[DIRECT_COLUMNS].notes.append(f"rows mapped to columns beforehand (untimed); {components:.1f} components/row")
-    made[DIRECT_AVRO].notes.append("what the sink inserts, prebuilt: the sink's own cost is the difference")
-    made[SINK_ENCODED].notes.append("Avro bytes in, as on the topic: ClickHouse decodes them (FORMAT Avro)")
+    made[DIRECT_AVRO].notes.append("the records as an Avro container, prebuilt (what the sink inserts without native)")
+    made[SINK_ENCODED].notes.append(f"Avro bytes in, as on the topic; inserted as {sink_format()}")
     made[SINK_DECODED].notes.append("decoded records in: row mapping in Python, column insert")
-    for name in made:
-        if name != fastest:
-            made[name].baseline = fastest
-    made[SINK_ENCODED].target = TARGET
     for name, measurement in made.items():
+        measurement.notes.append(
+            f"process CPU seconds per run (all threads); wall {' / '.join(f'{w:.3f}' for w in wall[name])} s"
+        )
+        if name != fastest:
+            measurement.baseline = fastest
         if name in wrong:
             measurement.failed_checks.append(f"{name}: the table did not hold exactly {rows:,} rows after a run")
+    made[SINK_ENCODED].target = TARGET
     return list(made.values())
+
+
+def sink_format() -> str:
+    """How the sink inserts the Transitions it keeps as bytes: Native blocks made natively, or Avro."""
+    if NativeBlocks.available():
+        return "Native blocks (treadle_native NativeBlockWriter)"
+    return f"an Avro container ClickHouse decodes ({NATIVE_BLOCKS_ENV} not 1, TREADLE_NATIVE=0 or no NativeBlockWriter)"
 
 
 def report(results: list[Measurement]) -> str:
     """The results as plain lines: rate, ratio to the baseline, the samples, and the machine."""
     by_name = {m.name: m for m in results}
-    lines = [machine_facts()]
+    lines = [machine_facts(), f"sink inserts: {sink_format()}; rates are rows per process CPU-second (all threads)"]
     for m in results:
         base = by_name.get(m.baseline or "")
         ratio = f"  {m.rate / base.rate:.2f}x {base.name}" if base is not None else "  (baseline)"
         if m.target is not None and base is not None:
             ratio += f"  target >= {m.target:.2f}x: {'ok' if m.rate / base.rate >= m.target else 'MISSED'}"
         samples = " / ".join(f"{s:.3f}" for s in m.samples)
-        lines.append(f"{m.name:38} {m.rate:>10,.0f} rows/s{ratio}  (runs {samples} s){' '.join(m.failed_checks)}")
+        lines.append(f"{m.name:38} {m.rate:>10,.0f} rows/CPU-s{ratio}  (CPU {samples} s){' '.join(m.failed_checks)}")
     return "\n".join(lines)
 
 
@@ -248,6 +274,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="write the measurements as JSON here instead of printing them")
     args = parser.parse_args()
+    os.environ.setdefault(NATIVE_BLOCKS_ENV, "1")  # the sink's Native blocks (off by default in treadle for now)
     with tempfile.TemporaryDirectory(prefix="treadle-sink-bench-") as scratch:
         store = ClickHouseStore.open(Settings(home=args.home or scratch), database=SINK_DB)
         try:

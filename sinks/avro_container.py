@@ -19,6 +19,7 @@ from typing import Any
 
 from topics.avro_writer import zigzag_long
 from topics.codec import HEADER
+from topics.codec import MAGIC as SINGLE_OBJECT_MAGIC
 from topics.schemas import AvroSchema
 
 MAGIC = b"Obj\x01"
@@ -35,10 +36,13 @@ def _avro_bytes(data: bytes) -> bytes:
 class AvroContainer:
     """Single-object-encoded values of one writer schema, buffered until `to_bytes` frames them for ClickHouse."""
 
-    __slots__ = ("_header", "_sync", "schema", "sources", "values")
+    __slots__ = ("_header", "_sync", "header", "schema", "sources", "values")
 
     def __init__(self, schema: AvroSchema) -> None:
         self.schema = schema
+        self.header = HEADER.pack(
+            SINGLE_OBJECT_MAGIC, schema.fingerprint
+        )  # what every value of this schema starts with
         self.values: list[bytes] = []
         self.sources: list[Any] = []  # where each value came from (sinks.rejected_rows.RowSource), or None
         text = json.dumps(schema.json, separators=(",", ":")).encode()

@@ -290,12 +290,23 @@ class ClickHouseStore:
         settings: Mapping[str, Any] | None = None,
     ) -> int:
         """Insert an Avro object container file (FORMAT Avro; fields matched to `column_names` by name) into `table`."""
+        return await self.insert_formatted(table, container, column_names, "Avro", settings)
+
+    async def insert_formatted(
+        self,
+        table: str,
+        data: bytes,
+        column_names: Sequence[str],
+        fmt: str,
+        settings: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Insert `data`, already in ClickHouse input format `fmt` (Avro, Native...), into `table`."""
 
         def insert(client: Client) -> int:
             names = list(column_names)
             target = f"{self.database}.{checked_identifier(table)}"
             chosen = dict(settings) if settings else None
-            return client.raw_insert(target, names, insert_block=container, fmt="Avro", settings=chosen).written_rows
+            return client.raw_insert(target, names, insert_block=data, fmt=fmt, settings=chosen).written_rows
 
         return await self.call(insert)
 

@@ -8,7 +8,8 @@ consumer offsets of a batch only after `flush()` returned: that makes the pipeli
 that absorb duplicates.
 
 Records bound for a table whose columns are their fields (sinks.rows.AVRO_TABLES) can skip Python altogether:
-`add_encoded` keeps their bytes, and ClickHouse decodes them at insert time (sinks/avro_container.py).
+`add_encoded` keeps their bytes, and at flush treadle_native turns them into one Native block (NativeBlocks), or,
+without it, ClickHouse decodes them as Avro (AvroContainer). A batch either refuses goes the Python way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore, ClickHouseUnavailableError
+from sinks.native_blocks import FORMAT as NATIVE_FORMAT
+from sinks.native_blocks import NativeBlocks
 from sinks.rejected_rows import RejectStage, RowSource, rejected_row
 from sinks.rows import AVRO_TABLES, TABLE_COLUMNS, rows_for
 from streams.runtime.metrics import SinkMetrics
@@ -110,7 +113,8 @@ class ClickHouseSink:
         self.codec = codec or AvroCodec()
         self.undecodable = 0  # encoded records neither ClickHouse nor the codec could read (logged, not inserted)
         self._batches: dict[str, _TableBatch] = {}
-        self._containers: dict[str, AvroContainer] = {}  # table -> records ClickHouse decodes itself
+        self._containers: dict[str, AvroContainer] = {}  # table -> records inserted as Native blocks or Avro
+        self._native = NativeBlocks(store)  # makes a container one Native block (treadle_native), where it can
         self._headers: dict[str, bytes] = {}  # schema name -> single-object header of its current version
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()
@@ -159,12 +163,17 @@ class ClickHouseSink:
         ClickHouse reads it; anything else is decoded here, and DecodeError propagates.
         """
         table = AVRO_TABLES.get(kind)
-        if table is not None and value is not None and value[: HEADER.size] == self._header(expect):
+        if table is not None and value is not None:
             container = self._containers.get(table)
-            if container is None:
-                container = self._containers[table] = AvroContainer(self.codec.schemas[expect])
-            container.append(value, source)
-            return container.rows >= self.batch_size
+            if container is not None and container.schema.name == expect and value.startswith(container.header):
+                container.values.append(value)  # the common case, inlined: this runs once per record
+                container.sources.append(source)
+                return len(container.values) >= self.batch_size
+            if value[: HEADER.size] == self._header(expect):
+                if container is None:
+                    container = self._containers[table] = AvroContainer(self.codec.schemas[expect])
+                container.append(value, source)
+                return container.rows >= self.batch_size
         schema_name, record = self.codec.decode(value, expect=expect)
         return self.add(kind, record, source, schema_name)
 
@@ -281,8 +290,20 @@ class ClickHouseSink:
         if not container.rows:
             return
         names = TABLE_COLUMNS[table]
+        writer = await self._native.writer(table, container.schema, names)
         try:
-            insert = self.store.insert_avro(table, container.to_bytes(), names, INSERT_SETTINGS)
+            if writer is None:
+                insert = self.store.insert_avro(table, container.to_bytes(), names, INSERT_SETTINGS)
+            else:
+                try:
+                    values = container.values  # read on the store's thread, without the GIL (NativeBlockWriter)
+                    block = await self.store.call(lambda _client: writer.block(values))
+                except ValueError as exc:  # treadle_native.Refused: a record it does not vouch for
+                    log.warning("treadle_native refused a batch of %d records for %s (%s); decoding them in Python "
+                                "instead", container.rows, table, exc)  # fmt: skip
+                    self._decode_into_batches(table, container)
+                    return
+                insert = self.store.insert_formatted(table, block, names, NATIVE_FORMAT, INSERT_SETTINGS)
             await self._timed(table, container.rows, insert)
         except ClickHouseUnavailableError:
             raise

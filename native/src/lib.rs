@@ -6,11 +6,13 @@
 use pyo3::prelude::*;
 
 mod avro;
+mod columns;
 mod ids;
 
 #[pymodule]
 fn treadle_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<avro::RecordCodec>()?;
+    m.add_class::<columns::NativeBlockWriter>()?;
     m.add_function(wrap_pyfunction!(ids::uuid7, m)?)?;
     m.add_function(wrap_pyfunction!(ids::uuid7_forget, m)?)?;
     m.add("Refused", m.py().get_type::<avro::Refused>())?;

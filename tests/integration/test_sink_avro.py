@@ -1,8 +1,9 @@
-"""Records ClickHouse decodes itself (sinks/avro_container.py) land as the rows the sink's Python mappers make.
+"""Records the sink keeps as bytes land as the rows the sink's Python mappers make, on both byte paths.
 
 Each AVRO_TABLES kind is generated from its Avro schema (hypothesis), encoded as the worker encodes it, and inserted
-twice into chDB: decoded and mapped in Python (ClickHouseSink.add), and as bytes in an Avro container
-(ClickHouseSink.add_encoded). Both copies must hold the same rows, value for value.
+twice into chDB: decoded and mapped in Python (ClickHouseSink.add), and as bytes (ClickHouseSink.add_encoded), which
+treadle_native turns into a Native block (NativeBlocks; `native`) or, with TREADLE_NATIVE=0, ClickHouse reads as an
+Avro container (`avro`). Both copies must hold the same rows, value for value.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from sinks import migrations
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore
+from sinks.native_blocks import NativeBlocks
 from sinks.rows import AVRO_TABLES, TABLE_COLUMNS
 from sinks.writer import ClickHouseSink
 from topics.catalog import TopicCatalog
@@ -115,6 +117,18 @@ def table_rows(store: ClickHouseStore, table: str) -> list[tuple[Any, ...]]:
     return sorted(store.query_sync(f"SELECT {columns} FROM {table}").result_rows, key=repr)
 
 
+@pytest.fixture(params=["native", "avro"])
+def byte_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How add_encoded's bytes reach ClickHouse: Native blocks made by treadle_native, or Avro (TREADLE_NATIVE=0)."""
+    if request.param == "avro":
+        monkeypatch.setenv("TREADLE_NATIVE", "0")
+    else:
+        monkeypatch.delenv("TREADLE_NATIVE", raising=False)
+        monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
+        assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
+    return str(request.param)
+
+
 def through_both_paths(stores: tuple[ClickHouseStore, ClickHouseStore], kind: str, batch: list[bytes]) -> None:
     by_rows, by_avro = stores
     table = AVRO_TABLES[kind]
@@ -126,16 +140,29 @@ def through_both_paths(stores: tuple[ClickHouseStore, ClickHouseStore], kind: st
         avro_sink.add_encoded(kind, value, expect=SCHEMA_OF[kind])
     assert avro_sink._batches == {}, "records of the current schema are not decoded in Python"
     assert asyncio.run(python_sink.flush()) == asyncio.run(avro_sink.flush()) == {table: len(batch)}
+    assert avro_sink._batches == {}, "no record was refused and decoded in Python"
+    writers = list(avro_sink._native._writers.values())
+    assert writers == [None] if not NativeBlocks.available() else writers and None not in writers
     assert table_rows(by_avro, table) == table_rows(by_rows, table)
 
 
 @pytest.mark.parametrize("kind", sorted(AVRO_TABLES))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_clickhouse_reads_the_avro_as_the_python_mapper_maps_it(
-    stores: tuple[ClickHouseStore, ClickHouseStore], kind: str, data: st.DataObject
+def test_the_bytes_land_as_the_python_mapper_maps_them(
+    stores: tuple[ClickHouseStore, ClickHouseStore], byte_path: str, kind: str, data: st.DataObject
 ) -> None:
     through_both_paths(stores, kind, data.draw(encoded(kind)))
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=values(CODEC.schemas[SCHEMA_OF["transitions"]].json))
+def test_more_distinct_strings_than_a_byte_indexes(
+    stores: tuple[ClickHouseStore, ClickHouseStore], byte_path: str, record: dict[str, Any]
+) -> None:
+    """300 agents in a LowCardinality column: the Native block's dictionary needs 2-byte indexes."""
+    batch = [{**record, "session_id": f"s{i}", "agent_id": f"agent-{i}"} for i in range(300)]
+    through_both_paths(stores, "transitions", [CODEC.encode(SCHEMA_OF["transitions"], r) for r in batch])
 
 
 LATE = CODEC.schemas[SCHEMA_OF["late_rewards"]]
@@ -143,8 +170,11 @@ LATE = CODEC.schemas[SCHEMA_OF["late_rewards"]]
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(late=records("late_rewards", min_size=3, max_size=3))
-def test_a_record_clickhouse_cannot_read_is_decoded_in_python_and_only_it_is_lost(
-    stores: tuple[ClickHouseStore, ClickHouseStore], caplog: pytest.LogCaptureFixture, late: list[dict[str, Any]]
+def test_a_record_that_cannot_be_read_is_decoded_in_python_and_only_it_is_lost(
+    stores: tuple[ClickHouseStore, ClickHouseStore],
+    byte_path: str,
+    caplog: pytest.LogCaptureFixture,
+    late: list[dict[str, Any]],
 ) -> None:
     _, store = stores
     store.command_sync("TRUNCATE TABLE late_rewards")
@@ -158,9 +188,47 @@ def test_a_record_clickhouse_cannot_read_is_decoded_in_python_and_only_it_is_los
     with caplog.at_level(logging.WARNING):
         assert asyncio.run(sink.flush()) == {"late_rewards": 3}
     assert sink.undecodable == 1 and sink.pending == 0
-    assert "ClickHouse could not insert 4 Avro records into late_rewards" in caplog.text
+    if byte_path == "native":  # treadle_native refuses the batch: it goes the Python way
+        assert "treadle_native refused a batch of 4 records for late_rewards" in caplog.text
+    else:
+        assert "ClickHouse could not insert 4 Avro records into late_rewards" in caplog.text
     assert "undecodable treadle.derived.LateReward record bound for late_rewards" in caplog.text
     assert store.query_sync("SELECT count() FROM late_rewards").result_rows == [(3,)]
+
+
+TRANSITION = CODEC.schemas[SCHEMA_OF["transitions"]]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=records("transitions", min_size=2, max_size=4), revision=st.sampled_from([-1, -(2**31), 2**31 - 1]))
+def test_a_value_its_column_does_not_take_is_left_to_the_python_way(
+    stores: tuple[ClickHouseStore, ClickHouseStore],
+    monkeypatch: pytest.MonkeyPatch,
+    batch: list[dict[str, Any]],
+    revision: int,
+) -> None:
+    """revision is an Avro int in a UInt32 column: the native writer refuses a negative one, and the batch then lands
+    exactly as the Python mapper and clickhouse-connect make it (which is what the sink did before NativeBlocks)."""
+    monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
+    assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
+    batch[0]["revision"] = revision
+    values = [CODEC.encode(TRANSITION.name, record) for record in batch]
+    by_rows, by_native = stores
+    outcomes = []
+    for store, add in ((by_rows, "add"), (by_native, "add_encoded")):
+        store.command_sync("TRUNCATE TABLE transitions")
+        sink = ClickHouseSink(store)
+        for value in values:
+            if add == "add":
+                sink.add("transitions", CODEC.decode(value, expect=TRANSITION.name)[1])
+            else:
+                sink.add_encoded("transitions", value, expect=TRANSITION.name)
+        try:
+            outcomes.append(asyncio.run(sink.flush()))
+        except Exception as exc:  # what clickhouse-connect says of a negative UInt32, the same on both paths
+            outcomes.append(type(exc).__name__)
+        outcomes.append(table_rows(store, "transitions"))
+    assert outcomes[0:2] == outcomes[2:4]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
