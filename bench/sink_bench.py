@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -31,7 +30,6 @@ from bench.workload import final_transitions, make_steps
 from sinks.avro_container import AvroContainer
 from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
-from sinks.native_blocks import ENV as NATIVE_BLOCKS_ENV
 from sinks.native_blocks import NativeBlocks
 from sinks.rows import TABLE_COLUMNS, rows_for
 from sinks.writer import INSERT_SETTINGS, ClickHouseSink
@@ -107,7 +105,7 @@ def arrow_streams(store: ClickHouseStore, batches: list[list[list[Any]]]) -> lis
 
 
 async def _sink_encoded(store: ClickHouseStore, encoded: list[bytes], batch: int, codec: AvroCodec) -> None:
-    sink = ClickHouseSink(store, batch_size=batch, codec=codec)
+    sink = ClickHouseSink(store, batch_size=batch, codec=codec, native_blocks=True)
     for value in encoded:
         if sink.add_encoded("transitions", value, TRANSITION):
             await sink.flush()
@@ -247,9 +245,9 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
 
 def sink_format() -> str:
     """How the sink inserts the Transitions it keeps as bytes: Native blocks made natively, or Avro."""
-    if NativeBlocks.available():
+    if NativeBlocks.built():
         return "Native blocks (treadle_native NativeBlockWriter)"
-    return f"an Avro container ClickHouse decodes ({NATIVE_BLOCKS_ENV} not 1, TREADLE_NATIVE=0 or no NativeBlockWriter)"
+    return "an Avro container ClickHouse decodes (TREADLE_NATIVE=0 or no NativeBlockWriter)"
 
 
 def report(results: list[Measurement]) -> str:
@@ -274,7 +272,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", help="write the measurements as JSON here instead of printing them")
     args = parser.parse_args()
-    os.environ.setdefault(NATIVE_BLOCKS_ENV, "1")  # the sink's Native blocks (off by default in treadle for now)
     with tempfile.TemporaryDirectory(prefix="treadle-sink-bench-") as scratch:
         store = ClickHouseStore.open(Settings(home=args.home or scratch), database=SINK_DB)
         try:

@@ -44,7 +44,10 @@ class SinkConsumer:
         self.codec = codec
         self.intake = intake
         self.metrics = SinkMetrics()
-        self.sink = ClickHouseSink(store, batch_size=settings.sink_batch_size, metrics=self.metrics, codec=codec)
+        self.sink = ClickHouseSink(
+            store, batch_size=settings.sink_batch_size, metrics=self.metrics, codec=codec,
+            native_blocks=settings.sink_native_blocks,
+        )  # fmt: skip
         self._consumer: AIOKafkaConsumer | None = None
         self.assignor = SinkGroupAssignor(SinkIdentity.of(settings))  # one sink per embedded database
         self._specs = {s.name: s for s in catalog if s.role is not TopicRole.INTERNAL}

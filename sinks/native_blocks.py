@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 from sinks.clickhouse import ClickHouseStore, checked_identifier
@@ -23,28 +22,28 @@ from topics.schemas import AvroSchema
 log = logging.getLogger(__name__)
 
 FORMAT = "Native"
-ENV = "TREADLE_SINK_NATIVE_BLOCKS"
 
 
 class NativeBlocks:
     """One NativeBlockWriter per (table, writer schema), made on first use from the table's column types."""
 
-    def __init__(self, store: ClickHouseStore) -> None:
+    def __init__(self, store: ClickHouseStore, enabled: bool = False) -> None:
         self.store = store
+        self.enabled = enabled  # Settings.sink_native_blocks
         self._writers: dict[tuple[str, int], Any | None] = {}
 
     @staticmethod
-    def available() -> bool:
-        """TREADLE_SINK_NATIVE_BLOCKS=1, treadle_native is installed with the writer, and TREADLE_NATIVE is not 0.
+    def built() -> bool:
+        """treadle_native is installed with the writer, and TREADLE_NATIVE is not 0."""
+        return native_codec.enabled() and hasattr(native_codec.treadle_native, "NativeBlockWriter")
 
-        Off by default for now: with it on, tests/integration/test_weaving_pipeline.py's kill -9 test twice did not
-        reach its oracle's rows on a loaded machine (it passed three times on a quiet one, and three times with it
-        off); until that is understood, the Avro container stays the default."""
-        return (
-            os.environ.get(ENV, "0").strip() in ("1", "true", "yes", "on")
-            and native_codec.enabled()
-            and hasattr(native_codec.treadle_native, "NativeBlockWriter")
-        )
+    def available(self) -> bool:
+        """Asked for (TREADLE_SINK_NATIVE_BLOCKS) and built.
+
+        Off by default for now: with it on, the worker's kill -9 test (test_weaving_pipeline) twice did not reach its
+        oracle's rows on a loaded machine (it passed three times on a quiet one, and three times with it off); until
+        that is understood, the Avro container stays the default."""
+        return self.enabled and self.built()
 
     async def writer(self, table: str, schema: AvroSchema, names: tuple[str, ...]) -> Any | None:
         """The writer of `schema`'s records into `names` of `table`, or None where it does not cover them."""

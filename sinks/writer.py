@@ -104,6 +104,7 @@ class ClickHouseSink:
         batch_size: int = 5000,
         metrics: SinkMetrics | None = None,
         codec: AvroCodec | None = None,
+        native_blocks: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -114,7 +115,7 @@ class ClickHouseSink:
         self.undecodable = 0  # encoded records neither ClickHouse nor the codec could read (logged, not inserted)
         self._batches: dict[str, _TableBatch] = {}
         self._containers: dict[str, AvroContainer] = {}  # table -> records inserted as Native blocks or Avro
-        self._native = NativeBlocks(store)  # makes a container one Native block (treadle_native), where it can
+        self._native = NativeBlocks(store, native_blocks)  # a container as one Native block, where it can
         self._headers: dict[str, bytes] = {}  # schema name -> single-object header of its current version
         self._written: dict[str, int] = dict.fromkeys(TABLE_COLUMNS, 0)
         self._flush_lock = asyncio.Lock()

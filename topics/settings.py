@@ -262,6 +262,13 @@ class Settings(BaseModel):
     sink_flush_seconds: float = Field(
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
     )
+    sink_native_blocks: bool = Field(
+        default=False,
+        description="TREADLE_SINK_NATIVE_BLOCKS: experimental, off by default: the sink turns the Transitions, woven "
+        "and late rewards it keeps as Avro bytes into ClickHouse Native blocks with treadle_native (~2x the rows per "
+        "CPU-second of the Avro container ClickHouse decodes itself); a batch it refuses goes the Python way. Off "
+        "until a failure of the worker kill -9 test with it on, under load, is explained (docs/benchmarks.md, Sink).",
+    )
     credit_rule: Literal["terminal", "uniform", "discounted"] = Field(
         default="discounted",
         description="TREADLE_CREDIT_RULE: how the credit processor spreads an episode reward over its steps "

@@ -124,17 +124,18 @@ def byte_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv("TREADLE_NATIVE", "0")
     else:
         monkeypatch.delenv("TREADLE_NATIVE", raising=False)
-        monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
-        assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
+        assert NativeBlocks.built(), "treadle_native with NativeBlockWriter is not built: `make install`"
     return str(request.param)
 
 
-def through_both_paths(stores: tuple[ClickHouseStore, ClickHouseStore], kind: str, batch: list[bytes]) -> None:
+def through_both_paths(
+    stores: tuple[ClickHouseStore, ClickHouseStore], kind: str, batch: list[bytes], native: bool
+) -> None:
     by_rows, by_avro = stores
     table = AVRO_TABLES[kind]
     for store in stores:
         store.command_sync(f"TRUNCATE TABLE {table}")
-    python_sink, avro_sink = ClickHouseSink(by_rows), ClickHouseSink(by_avro)
+    python_sink, avro_sink = ClickHouseSink(by_rows), ClickHouseSink(by_avro, native_blocks=native)
     for value in batch:
         python_sink.add(kind, CODEC.decode(value, expect=SCHEMA_OF[kind])[1])
         avro_sink.add_encoded(kind, value, expect=SCHEMA_OF[kind])
@@ -142,7 +143,7 @@ def through_both_paths(stores: tuple[ClickHouseStore, ClickHouseStore], kind: st
     assert asyncio.run(python_sink.flush()) == asyncio.run(avro_sink.flush()) == {table: len(batch)}
     assert avro_sink._batches == {}, "no record was refused and decoded in Python"
     writers = list(avro_sink._native._writers.values())
-    assert writers == [None] if not NativeBlocks.available() else writers and None not in writers
+    assert writers == [None] if not native else writers and None not in writers
     assert table_rows(by_avro, table) == table_rows(by_rows, table)
 
 
@@ -152,7 +153,7 @@ def through_both_paths(stores: tuple[ClickHouseStore, ClickHouseStore], kind: st
 def test_the_bytes_land_as_the_python_mapper_maps_them(
     stores: tuple[ClickHouseStore, ClickHouseStore], byte_path: str, kind: str, data: st.DataObject
 ) -> None:
-    through_both_paths(stores, kind, data.draw(encoded(kind)))
+    through_both_paths(stores, kind, data.draw(encoded(kind)), byte_path == "native")
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -162,7 +163,8 @@ def test_more_distinct_strings_than_a_byte_indexes(
 ) -> None:
     """300 agents in a LowCardinality column: the Native block's dictionary needs 2-byte indexes."""
     batch = [{**record, "session_id": f"s{i}", "agent_id": f"agent-{i}"} for i in range(300)]
-    through_both_paths(stores, "transitions", [CODEC.encode(SCHEMA_OF["transitions"], r) for r in batch])
+    values = [CODEC.encode(SCHEMA_OF["transitions"], r) for r in batch]
+    through_both_paths(stores, "transitions", values, byte_path == "native")
 
 
 LATE = CODEC.schemas[SCHEMA_OF["late_rewards"]]
@@ -180,7 +182,7 @@ def test_a_record_that_cannot_be_read_is_decoded_in_python_and_only_it_is_lost(
     store.command_sync("TRUNCATE TABLE late_rewards")
     good = [CODEC.encode(LATE.name, record) for record in late]
     truncated = good[0][:-4]
-    sink = ClickHouseSink(store)
+    sink = ClickHouseSink(store, native_blocks=byte_path == "native")
     for value in (good[0], truncated, good[1], good[2]):
         sink.add_encoded("late_rewards", value, expect=LATE.name)
     assert sink.pending_rows == {"late_rewards": 4}
@@ -203,21 +205,19 @@ TRANSITION = CODEC.schemas[SCHEMA_OF["transitions"]]
 @given(batch=records("transitions", min_size=2, max_size=4), revision=st.sampled_from([-1, -(2**31), 2**31 - 1]))
 def test_a_value_its_column_does_not_take_is_left_to_the_python_way(
     stores: tuple[ClickHouseStore, ClickHouseStore],
-    monkeypatch: pytest.MonkeyPatch,
     batch: list[dict[str, Any]],
     revision: int,
 ) -> None:
     """revision is an Avro int in a UInt32 column: the native writer refuses a negative one, and the batch then lands
     exactly as the Python mapper and clickhouse-connect make it (which is what the sink did before NativeBlocks)."""
-    monkeypatch.setenv("TREADLE_SINK_NATIVE_BLOCKS", "1")
-    assert NativeBlocks.available(), "treadle_native with NativeBlockWriter is not built: `make install`"
+    assert NativeBlocks.built(), "treadle_native with NativeBlockWriter is not built: `make install`"
     batch[0]["revision"] = revision
     values = [CODEC.encode(TRANSITION.name, record) for record in batch]
     by_rows, by_native = stores
     outcomes = []
     for store, add in ((by_rows, "add"), (by_native, "add_encoded")):
         store.command_sync("TRUNCATE TABLE transitions")
-        sink = ClickHouseSink(store)
+        sink = ClickHouseSink(store, native_blocks=True)
         for value in values:
             if add == "add":
                 sink.add("transitions", CODEC.decode(value, expect=TRANSITION.name)[1])
