@@ -114,9 +114,9 @@ fn hash_of(bytes: &[u8]) -> u64 {
 }
 
 /// A value or bytes not ours to write or read (raised to Python as `Refused`).
-struct Reject;
+pub(crate) struct Reject;
 
-type R<T> = Result<T, Reject>;
+pub(crate) type R<T> = Result<T, Reject>;
 
 /// One schema's writer and reader; `prefix` (the single-object header) starts every encoded record.
 #[pyclass(frozen, module = "treadle_native")]
@@ -511,7 +511,7 @@ impl RecordCodec {
 }
 
 #[inline]
-fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
+pub(crate) fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
     let mut n: u64 = 0;
     let mut shift = 0;
     loop {
@@ -535,7 +535,7 @@ fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
 /// The item count of an array's or map's next block (0: the last one). A negative count is followed by the block's
 /// size in bytes (Java writers use it to skip blocks), which reading item by item does not need.
 #[inline]
-fn read_block_count(data: &[u8], pos: &mut usize) -> R<i64> {
+pub(crate) fn read_block_count(data: &[u8], pos: &mut usize) -> R<i64> {
     let n = read_long(data, pos)?;
     if n >= 0 {
         return Ok(n);
@@ -545,7 +545,7 @@ fn read_block_count(data: &[u8], pos: &mut usize) -> R<i64> {
 }
 
 #[inline]
-fn read_span<'a>(data: &'a [u8], pos: &mut usize) -> R<&'a [u8]> {
+pub(crate) fn read_span<'a>(data: &'a [u8], pos: &mut usize) -> R<&'a [u8]> {
     let n = read_long(data, pos)?;
     if n < 0 {
         return Err(Reject);

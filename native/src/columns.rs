@@ -15,7 +15,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::avro::Refused;
+use crate::avro::{read_block_count, read_long, read_span, Refused, Reject, R};
 
 /// An Avro schema, compiled for reading (named types are copied where referenced: no recursive schemas).
 #[derive(Clone)]
@@ -382,9 +382,7 @@ fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize, out:
     }
 }
 
-struct Reject;
-type R<T> = Result<T, Reject>;
-
+/// ClickHouse's VarUInt (LEB128): string lengths and the block's header.
 #[inline]
 fn write_varuint(out: &mut Vec<u8>, mut n: u64) {
     while n >= 0x80 {
@@ -392,50 +390,6 @@ fn write_varuint(out: &mut Vec<u8>, mut n: u64) {
         n >>= 7;
     }
     out.push(n as u8);
-}
-
-#[inline]
-fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
-    let mut n: u64 = 0;
-    let mut shift = 0;
-    loop {
-        let byte = *data.get(*pos).ok_or(Reject)?;
-        *pos += 1;
-        if shift == 63 && byte > 1 {
-            return Err(Reject);
-        }
-        n |= ((byte & 0x7F) as u64) << shift;
-        if byte & 0x80 == 0 {
-            break;
-        }
-        shift += 7;
-        if shift > 63 {
-            return Err(Reject);
-        }
-    }
-    Ok(((n >> 1) as i64) ^ -((n & 1) as i64))
-}
-
-#[inline]
-fn read_block_count(data: &[u8], pos: &mut usize) -> R<i64> {
-    let n = read_long(data, pos)?;
-    if n >= 0 {
-        return Ok(n);
-    }
-    read_long(data, pos)?;
-    n.checked_neg().ok_or(Reject)
-}
-
-#[inline]
-fn read_span<'a>(data: &'a [u8], pos: &mut usize) -> R<&'a [u8]> {
-    let n = read_long(data, pos)?;
-    if n < 0 {
-        return Err(Reject);
-    }
-    let end = pos.checked_add(n as usize).ok_or(Reject)?;
-    let raw = data.get(*pos..end).ok_or(Reject)?;
-    *pos = end;
-    Ok(raw)
 }
 
 #[inline]
