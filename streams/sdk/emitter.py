@@ -509,15 +509,11 @@ class _Emitter:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
         if batch is None:
             return self._send_when_room(schema, record, topic, partition, key, value, token)
-        # _track, inline: once per event
-        self._pending[token] = value
-        self._batches[batch] = None
-        if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
-            self._checkpoint(now, token)
+        self._track(token, value, batch)
         return None
 
     def _track(self, token: int, value: bytes, batch: Batch) -> None:
-        """Remember a handed-over event until its batch's outcome is told (_on_delivered); `_send` inlines it."""
+        """Remember a handed-over event until its batch's outcome is told (_on_delivered)."""
         self._pending[token] = value
         self._batches[batch] = None
         if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
