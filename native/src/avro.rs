@@ -15,6 +15,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde_json::Value;
 
+use crate::schema::{full_name, null_first, UNSUPPORTED_UNION};
+
 create_exception!(
     treadle_native,
     Refused,
@@ -137,14 +139,6 @@ struct Compiler<'py> {
 }
 
 impl<'py> Compiler<'py> {
-    fn full_name(name: &str, namespace: &str) -> String {
-        if name.contains('.') || namespace.is_empty() {
-            name.to_string()
-        } else {
-            format!("{namespace}.{name}")
-        }
-    }
-
     fn node(&mut self, schema: &Value, namespace: &str) -> PyResult<Node> {
         match schema {
             Value::String(name) => self.named_or_primitive(name, namespace),
@@ -165,7 +159,7 @@ impl<'py> Compiler<'py> {
                             .get("namespace")
                             .and_then(Value::as_str)
                             .unwrap_or(namespace);
-                        let full = Self::full_name(name, space);
+                        let full = full_name(name, space);
                         let inner_space = full
                             .rsplit_once('.')
                             .map(|(ns, _)| ns.to_string())
@@ -213,8 +207,7 @@ impl<'py> Compiler<'py> {
                                 .map(|(i, s)| (s.clone(), i))
                                 .collect(),
                         });
-                        self.named
-                            .insert(Self::full_name(name, space), Node::Enum(id));
+                        self.named.insert(full_name(name, space), Node::Enum(id));
                         Ok(Node::Enum(id))
                     }
                     "array" => Ok(Node::Array(Box::new(
@@ -242,7 +235,7 @@ impl<'py> Compiler<'py> {
             "string" => Node::Str,
             "bytes" => Node::Bytes,
             _ => {
-                let full = Self::full_name(name, namespace);
+                let full = full_name(name, namespace);
                 match self.named.get(&full).or_else(|| self.named.get(name)) {
                     Some(node) => node.clone(),
                     None => return Err(PyValueError::new_err(format!("unknown type {full}"))),
@@ -252,29 +245,25 @@ impl<'py> Compiler<'py> {
     }
 
     fn union(&mut self, branches: &[Value], namespace: &str) -> PyResult<Node> {
-        if branches.len() == 2 {
-            let a = self.node(&branches[0], namespace)?;
-            let b = self.node(&branches[1], namespace)?;
-            match (&a, &b) {
-                (Node::Null, Node::Null) => {}
-                (Node::Null, _) => {
+        if let [first, second] = branches {
+            let (a, b) = (self.node(first, namespace)?, self.node(second, namespace)?);
+            match null_first(matches!(a, Node::Null), matches!(b, Node::Null)) {
+                Some(true) => {
                     return Ok(Node::Nullable {
                         null_first: true,
                         inner: Box::new(b),
                     })
                 }
-                (_, Node::Null) => {
+                Some(false) => {
                     return Ok(Node::Nullable {
                         null_first: false,
                         inner: Box::new(a),
                     })
                 }
-                _ => {}
+                None => {}
             }
         }
-        Err(PyValueError::new_err(
-            "only unions of null and one other type are supported",
-        ))
+        Err(PyValueError::new_err(UNSUPPORTED_UNION))
     }
 }
 

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use crate::avro::{read_block_count, read_long, read_span, Refused, Reject, R};
+use crate::schema::{full_name, null_first, UNSUPPORTED_UNION};
 
 /// An Avro schema, compiled for reading (named types are copied where referenced: no recursive schemas).
 #[derive(Clone)]
@@ -86,39 +87,29 @@ struct Schemas {
 }
 
 impl Schemas {
-    fn full_name(name: &str, namespace: &str) -> String {
-        if name.contains('.') || namespace.is_empty() {
-            name.to_string()
-        } else {
-            format!("{namespace}.{name}")
-        }
-    }
-
     fn node(&mut self, schema: &Value, namespace: &str) -> Result<Avro, String> {
         match schema {
             Value::String(name) => self.named_or_primitive(name, namespace),
             Value::Array(branches) => {
-                if branches.len() == 2 {
-                    let a = self.node(&branches[0], namespace)?;
-                    let b = self.node(&branches[1], namespace)?;
-                    match (&a, &b) {
-                        (Avro::Null, Avro::Null) => {}
-                        (Avro::Null, _) => {
+                if let [first, second] = branches.as_slice() {
+                    let (a, b) = (self.node(first, namespace)?, self.node(second, namespace)?);
+                    match null_first(matches!(a, Avro::Null), matches!(b, Avro::Null)) {
+                        Some(true) => {
                             return Ok(Avro::Nullable {
                                 null_first: true,
                                 inner: Box::new(b),
                             })
                         }
-                        (_, Avro::Null) => {
+                        Some(false) => {
                             return Ok(Avro::Nullable {
                                 null_first: false,
                                 inner: Box::new(a),
                             })
                         }
-                        _ => {}
+                        None => {}
                     }
                 }
-                Err("only unions of null and one other type are supported".into())
+                Err(UNSUPPORTED_UNION.into())
             }
             Value::Object(obj) => {
                 let kind = match obj.get("type") {
@@ -136,7 +127,7 @@ impl Schemas {
                     .unwrap_or(namespace);
                 match kind {
                     "record" | "error" => {
-                        let full = Self::full_name(name, space);
+                        let full = full_name(name, space);
                         let inner = full
                             .rsplit_once('.')
                             .map(|(ns, _)| ns.to_string())
@@ -166,8 +157,7 @@ impl Schemas {
                             .filter_map(|s| s.as_str().map(str::to_string))
                             .collect();
                         let node = Avro::Enum(symbols);
-                        self.named
-                            .insert(Self::full_name(name, space), node.clone());
+                        self.named.insert(full_name(name, space), node.clone());
                         Ok(node)
                     }
                     "array" => Ok(Avro::Array(Box::new(
@@ -195,7 +185,7 @@ impl Schemas {
             "string" => Avro::Str,
             "bytes" => Avro::Bytes,
             _ => {
-                let full = Self::full_name(name, namespace);
+                let full = full_name(name, namespace);
                 match self.named.get(&full).or_else(|| self.named.get(name)) {
                     Some(node) => node.clone(),
                     None => return Err(format!("unknown type {full}")),

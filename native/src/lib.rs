@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 mod avro;
 mod columns;
 mod ids;
+mod schema;
 
 #[pymodule]
 fn treadle_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
