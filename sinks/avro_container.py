@@ -18,8 +18,7 @@ import json
 from typing import Any
 
 from topics.avro_writer import zigzag_long
-from topics.codec import HEADER
-from topics.codec import MAGIC as SINGLE_OBJECT_MAGIC
+from topics.codec import HEADER, single_object_header
 from topics.schemas import AvroSchema
 
 MAGIC = b"Obj\x01"
@@ -40,9 +39,7 @@ class AvroContainer:
 
     def __init__(self, schema: AvroSchema) -> None:
         self.schema = schema
-        self.header = HEADER.pack(
-            SINGLE_OBJECT_MAGIC, schema.fingerprint
-        )  # what every value of this schema starts with
+        self.header = single_object_header(schema)
         self.values: list[bytes] = []
         self.sources: list[Any] = []  # where each value came from (sinks.rejected_rows.RowSource), or None
         text = json.dumps(schema.json, separators=(",", ":")).encode()

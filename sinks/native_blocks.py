@@ -16,7 +16,7 @@ from typing import Any
 
 from sinks.clickhouse import ClickHouseStore, checked_identifier
 from topics import native_codec
-from topics.codec import HEADER, MAGIC
+from topics.codec import single_object_header
 from topics.schemas import AvroSchema
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class NativeBlocks:
         if self.available():
             described = await self.store.query(f"DESCRIBE TABLE {self.store.database}.{checked_identifier(table)}")
             types = {row[0]: row[1] for row in described.result_rows}
-            prefix = HEADER.pack(MAGIC, schema.fingerprint)
+            prefix = single_object_header(schema)
             try:
                 columns = [(name, types[name]) for name in names]
                 writer = native_codec.treadle_native.NativeBlockWriter(json.dumps(schema.json), columns, prefix)

@@ -28,7 +28,7 @@ from sinks.native_blocks import NativeBlocks
 from sinks.rejected_rows import RejectStage, RowSource, rejected_row
 from sinks.rows import AVRO_TABLES, TABLE_COLUMNS, rows_for
 from streams.runtime.metrics import SinkMetrics
-from topics.codec import HEADER, MAGIC, AvroCodec, DecodeError
+from topics.codec import HEADER, AvroCodec, DecodeError, single_object_header
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class ClickHouseSink:
     def _header(self, schema_name: str) -> bytes:
         header = self._headers.get(schema_name)
         if header is None:
-            header = self._headers[schema_name] = HEADER.pack(MAGIC, self.codec.schemas[schema_name].fingerprint)
+            header = self._headers[schema_name] = single_object_header(self.codec.schemas[schema_name])
         return header
 
     async def put(self, kind: str, record: Mapping[str, Any]) -> None:

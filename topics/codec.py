@@ -29,6 +29,11 @@ MAGIC = b"\xc3\x01"
 HEADER = struct.Struct("<2sQ")
 
 
+def single_object_header(schema: AvroSchema) -> bytes:
+    """What every single-object-encoded value of `schema` starts with: the magic and the schema's fingerprint."""
+    return HEADER.pack(MAGIC, schema.fingerprint)
+
+
 class DeadLetterStage(StrEnum):
     DECODE = "DECODE"
     SCHEMA = "SCHEMA"
@@ -79,14 +84,14 @@ class AvroCodec:
         """The reference encoding (fastavro.schemaless_writer); the generated writers must match it byte for byte."""
         schema = self.schemas[schema_name]
         buf = io.BytesIO()
-        buf.write(HEADER.pack(MAGIC, schema.fingerprint))
+        buf.write(single_object_header(schema))
         schemaless_writer(buf, schema.parsed, record)
         return buf.getvalue()
 
     def _compile(self, schema_name: str) -> RecordWriter | None:
         """The native writer (topics/native_codec.py), else the generated one, else None (fastavro only)."""
         schema = self.schemas[schema_name]  # KeyError for an unknown name, before anything is cached
-        prefix = HEADER.pack(MAGIC, schema.fingerprint)
+        prefix = single_object_header(schema)
         native = native_codec.record_codec(schema.json, prefix) if self.native else None
         if native is not None:
             return native.encode  # type: ignore[no-any-return]
