@@ -12,18 +12,17 @@ import hashlib
 import uuid
 from typing import Any
 
+from topics.ids import uuid5_text
+
 ANNOTATORS = ("LLM", "CODE", "HUMAN")
 _URL_NAMESPACE = uuid.NAMESPACE_URL.bytes
-_VARIANT = {f"{n:x}": f"{0x8 | (n & 0x3):x}" for n in range(16)}
 
 
 def signal_id(source: str, name: str, judged_event_id: str) -> str:
     """Deterministic: the same judgement of the same event always has the same id: str(uuid.uuid5(NAMESPACE_URL,
     name)), made from the SHA-1 directly (a few times cheaper than through UUID objects; one is made per signal)."""
     name = f"treadle-reward/{source}/{name}/{judged_event_id}"
-    h = hashlib.sha1(_URL_NAMESPACE + name.encode(), usedforsecurity=False).hexdigest()
-    variant = _VARIANT[h[16]]  # RFC 4122 variant: the top two bits of byte 8 are 10
-    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{variant}{h[17:20]}-{h[20:32]}"  # version 5
+    return uuid5_text(hashlib.sha1(_URL_NAMESPACE + name.encode(), usedforsecurity=False).hexdigest())
 
 
 def reward_signal(

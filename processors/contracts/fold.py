@@ -35,6 +35,7 @@ from topics.contracts import (
     check_pre,
     effective,
 )
+from topics.ids import uuid5_text
 
 SOURCE = "contract"  # the RewardSignal source fusion rules match (`match: {source: contract}`)
 _MAX_PENDING = 256  # dispatches per session waiting for their result; the oldest is dropped past this
@@ -187,12 +188,7 @@ def _uuid5(prefix: Any, rest: str) -> str:
     the same id, without re-hashing the shared part or building UUID objects (it is made per check)."""
     digest = prefix.copy()
     digest.update(rest.encode())
-    h = digest.hexdigest()
-    variant = _VARIANT[h[16]]  # RFC 4122 variant: the top two bits of byte 8 are 10
-    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{variant}{h[17:20]}-{h[20:32]}"  # version 5
-
-
-_VARIANT = {f"{n:x}": f"{0x8 | (n & 0x3):x}" for n in range(16)}
+    return uuid5_text(digest.hexdigest())
 
 
 def _id_prefix(session_id: str, step: str) -> Any:
