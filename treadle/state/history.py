@@ -156,33 +156,25 @@ def node_changes_sql(session: str, lo: int, hi: int) -> str:
     and had not ended by hi; both are read by key ranges of one session, in one statement, and the answer is as
     large as the change, not the state. Columns and the interval hash as nodes_sql, then `side`.
     """
-    s = quote(session)
-    ended = (
-        "SELECT cityHash64(node_id, from_ordinal) FROM state_node_ends "
-        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
-    )
     columns = "node_id, type, data_json, toUnixTimestamp64Micro(expires_at) AS expires_us, caused_by_tool"
-    return (
-        f"SELECT {columns}, 0 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal <= {lo} "
-        f"AND cityHash64(node_id, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
-        f"SELECT {columns}, 1 AS side FROM state_nodes WHERE session_id = {s} AND from_ordinal > {lo} "
-        f"AND from_ordinal <= {hi} AND cityHash64(node_id, from_ordinal) NOT IN ({ended})"
-    )
+    return _changes_sql("state_nodes", "state_node_ends", "node_id", columns, session, lo, hi)
 
 
 def edge_changes_sql(session: str, lo: int, hi: int) -> str:
     """Edge intervals live at `lo` only (`side` 0) and at `hi` only (`side` 1), hi > lo (as node_changes_sql)."""
-    s = quote(session)
-    ended = (
-        "SELECT cityHash64(src, dst, type, from_ordinal) FROM state_edge_ends "
-        f"WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
-    )
     columns = "src AS src_lc, dst, type, data_json AS data_lc"
+    return _changes_sql("state_edges", "state_edge_ends", "src, dst, type", columns, session, lo, hi)
+
+
+def _changes_sql(table: str, ends: str, key: str, columns: str, session: str, lo: int, hi: int) -> str:
+    """node_changes_sql / edge_changes_sql: intervals of `table` (closed in `ends`) named by `key`."""
+    s, interval = quote(session), f"cityHash64({key}, from_ordinal)"
+    ended = f"SELECT {interval} FROM {ends} WHERE session_id = {s} AND to_ordinal > {lo} AND to_ordinal <= {hi}"
     return (
-        f"SELECT {columns}, 0 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal <= {lo} "
-        f"AND cityHash64(src, dst, type, from_ordinal) IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
-        f"SELECT {columns}, 1 AS side FROM state_edges WHERE session_id = {s} AND from_ordinal > {lo} "
-        f"AND from_ordinal <= {hi} AND cityHash64(src, dst, type, from_ordinal) NOT IN ({ended})"
+        f"SELECT {columns}, 0 AS side FROM {table} WHERE session_id = {s} AND from_ordinal <= {lo} "
+        f"AND {interval} IN ({ended} AND from_ordinal <= {lo}) UNION ALL "
+        f"SELECT {columns}, 1 AS side FROM {table} WHERE session_id = {s} AND from_ordinal > {lo} "
+        f"AND from_ordinal <= {hi} AND {interval} NOT IN ({ended})"
     )
 
 
