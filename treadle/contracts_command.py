@@ -24,6 +24,7 @@ from rich.table import Table
 
 from topics.settings import Settings
 from treadle.cli_errors import friendly
+from treadle.reports.query import Query, query_dicts
 
 if TYPE_CHECKING:
     from topics.contracts import Contract
@@ -35,8 +36,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 contracts_app = typer.Typer(
     help="Action contracts (pre/postconditions per tool) on the _<prefix>.contracts topic.", no_args_is_help=True
 )
-
-Query = Callable[[str], tuple[list[str], list[list[Any]]]]
 
 
 class ProvenanceError(LookupError):
@@ -198,17 +197,12 @@ def available(
 # -- provenance -------------------------------------------------------------------------------------------------------
 
 
-def _rows(query: Query, sql: str) -> list[dict[str, Any]]:
-    columns, rows = query(sql)
-    return [dict(zip(columns, row, strict=True)) for row in rows]
-
-
 def fetch_provenance(query: Query, step: str) -> dict[str, Any]:
     """The evidence record of one step (see the module doc); ProvenanceError when nothing is stored for it."""
     from sinks.sql_params import quote
 
     q = quote(step)
-    events = _rows(
+    events = query_dicts(
         query,
         f"""SELECT event_id, schema_name, tool, sha256, size_bytes, attributes, session_id,
         toUnixTimestamp64Micro(event_time) AS event_time_us
@@ -219,18 +213,18 @@ def fetch_provenance(query: Query, step: str) -> dict[str, Any]:
             f"no provenance for step {step}: no dispatch or tool result of it has been hashed "
             "(is the contracts processor enabled, and has the sink caught up?)"
         )
-    versions = _rows(
+    versions = query_dicts(
         query,
         f"""SELECT kind, parent_id, version_id FROM state_versions_latest
         WHERE logical_event_id = {q} AND kind IN ('action', 'result') ORDER BY ordinal""",
     )
-    checks = _rows(
+    checks = query_dicts(
         query,
         f"""SELECT contract, contract_version, phase, outcome, clause, failed_clauses, reason,
         values_json, state_version_id FROM contract_checks_latest WHERE logical_event_id = {q}
         ORDER BY phase DESC, contract""",
     )
-    woven = _rows(
+    woven = query_dicts(
         query,
         f"""SELECT revision, reward_policy_version, value, status FROM woven_rewards FINAL
         WHERE logical_event_id = {q} AND variant = 'live' ORDER BY revision DESC LIMIT 1""",
@@ -282,7 +276,7 @@ def verify(query: Query, evidence: Mapping[str, Any]) -> list[dict[str, Any]]:
     ids = ", ".join(quote(e["event_id"]) for e in evidence["events"])
     stored = {
         r["event_id"]: r
-        for r in _rows(
+        for r in query_dicts(
             query,
             f"""SELECT e.kind, e.event_id, e.session_id, e.agent_id,
         e.episode_id, e.logical_event_id, e.seq, toUnixTimestamp64Micro(e.event_time) AS event_time_us,

@@ -18,9 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sinks.sql_params import quote
-
-Rows = tuple[list[str], list[list[Any]]]
-Query = Callable[[str], Rows]
+from treadle.reports.query import Query, query_dicts
 
 # Quantiles are ClickHouse's quantileExact: the value at 0-based index floor(q * n) of the sorted latencies.
 LATENCY_QUANTILES = (0.5, 0.95, 0.99)
@@ -249,11 +247,6 @@ def latency_series_sql(f: ReportFilters, size: int) -> str:
 # --- building ---------------------------------------------------------------------------------------------------
 
 
-def _records(query: Query, sql: str) -> list[dict[str, Any]]:
-    columns, rows = query(sql)
-    return [dict(zip(columns, row, strict=True)) for row in rows]
-
-
 def _with_iso_buckets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**row, "bucket": _iso(datetime.fromtimestamp(int(row["bucket"]), UTC))} for row in rows]
 
@@ -274,20 +267,20 @@ def build_report(query: Query, filters: ReportFilters) -> Report:
 
 
 def _build(query: Query, filters: ReportFilters) -> Report:
-    [span] = _records(query, span_sql(filters))
+    [span] = query_dicts(query, span_sql(filters))
     size = bucket_seconds(int(span["last"]) - int(span["first"])) if span["n"] else _BUCKETS[0]
-    [invalid] = _records(query, invalid_preferences_sql(filters))
+    [invalid] = query_dicts(query, invalid_preferences_sql(filters))
     report = Report(
         filters=filters,
-        tools=_records(query, tool_sql(filters)),
-        episodes=_records(query, episode_sql(filters)),
-        alerts_by_rule=_records(query, alerts_sql(filters)),
-        pii=_records(query, pii_sql(filters)),
-        win_rates=_records(query, win_rate_sql(filters)),
+        tools=query_dicts(query, tool_sql(filters)),
+        episodes=query_dicts(query, episode_sql(filters)),
+        alerts_by_rule=query_dicts(query, alerts_sql(filters)),
+        pii=query_dicts(query, pii_sql(filters)),
+        win_rates=query_dicts(query, win_rate_sql(filters)),
         invalid_preferences=int(invalid["n"]),
         bucket_seconds=size,
-        episode_series=_with_iso_buckets(_records(query, episode_series_sql(filters, size))),
-        latency_series=_with_iso_buckets(_records(query, latency_series_sql(filters, size))),
+        episode_series=_with_iso_buckets(query_dicts(query, episode_series_sql(filters, size))),
+        latency_series=_with_iso_buckets(query_dicts(query, latency_series_sql(filters, size))),
     )
     if report.empty:
         raise ReportError(_nothing_in(filters))

@@ -8,7 +8,7 @@ their contributions are recomputed as weight x value, which is what fusion did t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -17,8 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sinks.sql_params import quote as sql_literal
-
-Query = Callable[[str], tuple[list[str], list[list[Any]]]]
+from treadle.reports.query import Query, as_dicts
 
 _TRANSITION_FIELDS = ("step", "revision", "agent_id", "tool", "tool_status", "reward", "reward_status")
 _TRANSITION_FIELDS += ("reward_revision", "policy_version", "updated_at")
@@ -101,7 +100,7 @@ def fetch_explanation(query: Query, logical_event_id: str, revision: int | None 
         if revision is not None:
             raise ExplainError(f"no woven reward for logical_event_id {logical_event_id} at revision {revision}")
         raise ExplainError(f"no woven reward for logical_event_id {logical_event_id}")
-    return explanation_from_row(dict(zip(columns, rows[0], strict=True)))
+    return explanation_from_row(as_dicts(columns, rows)[0])
 
 
 def explanation_from_row(row: Mapping[str, Any]) -> Explanation:

@@ -4,14 +4,11 @@ in the terminal (treadle.reports.plan_graph.render_text) and, with --png, as an 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
 from treadle.reports.plan_graph import Attempt, Interval, PlanView, SubgoalView
-
-Query = Callable[..., tuple[list[str], list[list[Any]]]]  # sinks.sql_client.run_sql bound to settings
+from treadle.reports.query import Query, query_dicts
 
 OPEN = 2299  # year of the validity ranges' open end (subgoal_state_history)
 STATE_COLOURS = {
@@ -24,18 +21,14 @@ class PlanNotFoundError(LookupError):
     """No such plan in the tables (yet), or a plan id found in several sessions without --session."""
 
 
-def _rows(query: Query, sql: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    columns, rows = query(sql, params=dict(params))
-    return [dict(zip(columns, row, strict=True)) for row in rows]
-
-
 def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> PlanView:
     """The plan `plan_id` (of `session_id`, needed only when the id is in several sessions) with its subgoals, their
     state histories, attempts and step rewards (fused, summed over its attempts), and how it finished."""
     where = "plan_id = {plan:String}" + ("" if session_id is None else " AND session_id = {session:String}")
     params = {"plan": plan_id} if session_id is None else {"plan": plan_id, "session": session_id}
-    plans = _rows(query, "SELECT session_id, goal, toUnixTimestamp64Micro(submitted_at) AS submitted_us "
-                         f"FROM plans_latest WHERE {where} ORDER BY session_id LIMIT 11", params)  # fmt: skip
+    sql = ("SELECT session_id, goal, toUnixTimestamp64Micro(submitted_at) AS submitted_us "
+           f"FROM plans_latest WHERE {where} ORDER BY session_id LIMIT 11")  # fmt: skip
+    plans = query_dicts(query, sql, params=params)
     if not plans:
         within = "" if session_id is None else f" in session {session_id!r}"
         raise PlanNotFoundError(f"no plan {plan_id!r}{within} in the plans table (not submitted, or not sunk yet)")
@@ -51,35 +44,38 @@ def load_plan(query: Query, plan_id: str, session_id: str | None = None) -> Plan
         row["subgoal_id"]: SubgoalView(
             row["subgoal_id"], tuple(row["depends_on"]), row["resource_class"], row["tool"] or row["agent"] or ""
         )
-        for row in _rows(query, sql, params)
+        for row in query_dicts(query, sql, params=params)
     }
-    for row in _rows(query, "SELECT subgoal_id, state, attempt, toUnixTimestamp64Micro(valid_from) AS from_us, "
-                            "toUnixTimestamp64Micro(valid_to) AS to_us, toYear(valid_to) AS to_year "
-                            f"FROM subgoal_state_history WHERE {key} ORDER BY subgoal_id, valid_from, attempt",
-                     params):  # fmt: skip
+    sql = ("SELECT subgoal_id, state, attempt, toUnixTimestamp64Micro(valid_from) AS from_us, "
+           "toUnixTimestamp64Micro(valid_to) AS to_us, toYear(valid_to) AS to_year "
+           f"FROM subgoal_state_history WHERE {key} ORDER BY subgoal_id, valid_from, attempt")  # fmt: skip
+    for row in query_dicts(query, sql, params=params):
         if row["subgoal_id"] in subgoals:
             to = None if row["to_year"] >= OPEN else row["to_us"]
             subgoals[row["subgoal_id"]].history.append(Interval(row["state"], row["attempt"], row["from_us"], to))
-    for row in _rows(query, "SELECT subgoal_id, attempt, ifNull(executor_id, '') AS executor_id, resource_class, "
-                            "outcome, ifNull(error_class, '') AS error_class, duration_s, fallback, "
-                            "outcome = 'TIMED_OUT' AND succeeded_at IS NOT NULL AS late "
-                            f"FROM plan_attempts WHERE {key} ORDER BY subgoal_id, attempt", params):  # fmt: skip
+    sql = ("SELECT subgoal_id, attempt, ifNull(executor_id, '') AS executor_id, resource_class, "
+           "outcome, ifNull(error_class, '') AS error_class, duration_s, fallback, "
+           "outcome = 'TIMED_OUT' AND succeeded_at IS NOT NULL AS late "
+           f"FROM plan_attempts WHERE {key} ORDER BY subgoal_id, attempt")  # fmt: skip
+    for row in query_dicts(query, sql, params=params):
         if row["subgoal_id"] in subgoals:
             subgoals[row["subgoal_id"]].attempts.append(Attempt(
                 row["attempt"], row["executor_id"], row["resource_class"], row["outcome"], row["error_class"],
                 None if row["duration_s"] is None else float(row["duration_s"]), bool(row["fallback"]),
                 bool(row["late"]),
             ))  # fmt: skip
-    for row in _rows(query, "SELECT subgoal_id, sum(steps) AS steps, sum(rewarded_steps) AS rewarded_steps, "
-                            "sum(reward_sum) AS reward_sum FROM plan_subgoal_rewards WHERE plan_session_id = "
-                            "{session:String} AND plan_id = {plan:String} AND source = '' AND name = '' "
-                            "GROUP BY subgoal_id", params):  # fmt: skip
+    sql = ("SELECT subgoal_id, sum(steps) AS steps, sum(rewarded_steps) AS rewarded_steps, "
+           "sum(reward_sum) AS reward_sum FROM plan_subgoal_rewards WHERE plan_session_id = "
+           "{session:String} AND plan_id = {plan:String} AND source = '' AND name = '' "
+           "GROUP BY subgoal_id")  # fmt: skip
+    for row in query_dicts(query, sql, params=params):
         if row["subgoal_id"] in subgoals:
             s = subgoals[row["subgoal_id"]]
             s.steps, s.rewarded_steps, s.reward_sum = int(row["steps"]), int(row["rewarded_steps"]), row["reward_sum"]
     view = PlanView(session, plan_id, plans[0]["goal"], int(plans[0]["submitted_us"]), subgoals)
-    finished = _rows(query, "SELECT outcome, toUnixTimestamp64Micro(decided_at) AS at_us FROM plan_decisions_latest "
-                            f"WHERE {key} AND kind = 'finished'", params)  # fmt: skip
+    sql = ("SELECT outcome, toUnixTimestamp64Micro(decided_at) AS at_us FROM plan_decisions_latest "
+           f"WHERE {key} AND kind = 'finished'")  # fmt: skip
+    finished = query_dicts(query, sql, params=params)
     if finished:
         view.outcome, view.finished_at = finished[0]["outcome"], int(finished[0]["at_us"])
     return view
