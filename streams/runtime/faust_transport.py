@@ -50,7 +50,9 @@ import asyncio
 import io
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import faust
@@ -380,12 +382,30 @@ class ResumingConsumer(faust_aiokafka.Consumer):
 
 
 def task_stacks() -> str:
-    """The stack of every task of the running event loop (where each one awaits), as text."""
+    """The stack of every task of the running event loop (where each one awaits), as text: each coroutine down the
+    chain of awaits. asyncio's own Task.print_stack shows only a task's outer coroutine, so a stall report of Faust's
+    services showed `await task` and no more (issue 24's rebalance hang)."""
     out = io.StringIO()
     for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
         out.write(f"--- {task.get_name()}: {task.get_coro()!r}\n")
-        task.print_stack(file=out)
+        frames = awaited_frames(task.get_coro())
+        if frames:
+            out.writelines(traceback.StackSummary.extract((f, f.f_lineno) for f in frames).format())
+        else:
+            task.print_stack(file=out)
     return out.getvalue()
+
+
+def awaited_frames(coro: Any) -> list[FrameType]:
+    """The frames of `coro` and of each coroutine, generator or async generator it awaits in turn."""
+    frames: list[FrameType] = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return frames
 
 
 class StopTimeoutError(RuntimeError):

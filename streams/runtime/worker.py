@@ -16,6 +16,7 @@ import threading
 import time
 
 import faust
+from mode.utils.times import want_seconds
 
 from streams.runtime.app import Pipeline, build_pipeline
 from streams.runtime.garbage_collection import freeze_startup_objects, tune_collector
@@ -26,7 +27,7 @@ from streams.runtime.processes import SINK_REFUSED_EXIT
 from streams.runtime.run_info import FirstInput, SinkRefusal, SqlEndpoint, WorkerInfo
 from topics import native_codec
 from topics.admin import ensure_topics
-from topics.catalog import TopicCatalog
+from topics.catalog import TopicCatalog, TopicRole, TopicSpec
 from topics.codec import AvroCodec
 from topics.names import RESOURCE_SAMPLE
 from topics.registry import SchemaRegistry
@@ -41,13 +42,53 @@ SINK_RESTART_MAX_S = 30.0  # longest pause between restarts of a sink child that
 SINK_STABLE_S = 60.0  # a sink child that ran this long before it exited is restarted without backing off
 
 
-async def prepare_cluster(settings: Settings, registry: SchemaRegistry | None = None) -> None:
-    """Topics exist with the right partitions, and the shipped schemas are registered."""
+async def prepare_cluster(
+    settings: Settings, registry: SchemaRegistry | None = None, app: faust.App | None = None
+) -> None:
+    """Topics exist with the right partitions, and the shipped schemas are registered; with `app`, its tables'
+    changelog topics exist too (changelog_specs), with every partition led, before the app starts."""
     catalog = TopicCatalog(settings)
     states = await ensure_topics(catalog, settings.kafka_bootstrap_servers)
+    if app is not None:
+        await ensure_topics(changelog_specs(app), settings.kafka_bootstrap_servers)
     fresh = any(state.created for state in states if state.spec.kind == "schemas")
     registry = registry or SchemaRegistry(settings.kafka_bootstrap_servers, catalog["schemas"].name)
     await registry.register_set(SchemaSet.load(), load=not fresh)
+
+
+def changelog_specs(app: faust.App) -> list[TopicSpec]:
+    """The changelog topic of each of `app`'s tables, as Faust declares it at start (partitions, replicas, cleanup
+    policy and retention as faust's Topic.declare and Transport._topic_config make them, plus the table's topic
+    configs).
+
+    Made before the app starts, not by Faust as it starts: a changelog Faust had just created was once missing
+    from the group's first assignment ("Ignoring missing topic": its partitions had no leader yet), so its
+    partitions came in a second rebalance ~10 s later, under load, and that one never finished (issue 24)."""
+    specs = []
+    for table in app.tables.values():
+        topic = table.changelog_topic
+        config: dict[str, str] = {}
+        policy = [flag for flag, on in (("compact", topic.compacting), ("delete", topic.deleting)) if on]
+        if policy:
+            config["cleanup.policy"] = ",".join(policy)
+        if topic.retention:
+            config["retention.ms"] = str(int(want_seconds(topic.retention) * 1000.0))
+        config.update({key: str(value) for key, value in (topic.config or {}).items()})
+        for name in topic.topics:
+            specs.append(
+                TopicSpec(
+                    kind="changelog",
+                    name=name,
+                    role=TopicRole.INTERNAL,
+                    value_schema=None,
+                    key="",
+                    partitions=topic.partitions or app.conf.topic_partitions,
+                    replication_factor=topic.replicas or app.conf.topic_replication_factor or 1,
+                    config=config,
+                    doc=f"Changelog of table {table.name}.",
+                )
+            )
+    return specs
 
 
 def build_worker(settings: Settings) -> Pipeline:
@@ -56,7 +97,7 @@ def build_worker(settings: Settings) -> Pipeline:
     # Writer schemas we don't ship (newer producers, other languages) are found in the registry.
     pipeline = build_pipeline(settings, codec=AvroCodec(lookup=registry.lookup))
     pipeline.intake.reload_schemas = registry.load_if_due  # an unknown writer may have been registered since
-    asyncio.run(prepare_cluster(settings, registry))
+    asyncio.run(prepare_cluster(settings, registry, pipeline.app))
     for processor in pipeline.processors:
         refresh = getattr(processor, "refresh_policies", None)  # policies pushed before this start
         if refresh is not None:

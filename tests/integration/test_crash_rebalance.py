@@ -2,6 +2,9 @@
 safety and llm_judge; one is killed with -9 mid-stream and one joins later. Every table the processors feed must end
 up holding exactly the rows of a run without faults (one worker, the same events, its own topics and database).
 
+The contracts processor (issue 24) has a test of its own here: it needs registered contracts and a plugin path, and
+its oracle is an in-process fold of the same state versions (tests/integration/test_contracts_pipeline.py's).
+
 The judge is an HTTP server this test starts on 127.0.0.1 (tests/integration/test_llm_judge.py's JudgeServer, whose
 verdicts depend only on the step's output). Event times all lie within a few minutes, and the watermark lag and idle
 timeout are an hour, so no window closes by event time: what a table holds depends on the events, not on the order
@@ -19,20 +22,25 @@ from typing import Any
 
 import pytest
 
+from processors.contracts.fold import ContractBook
 from sinks.sql_client import run_sql
 from streams.runtime.worker import prepare_cluster
-from tests.factories import BASE_TIME, scrape, total, wait_for
+from tests.factories import BASE_TIME, scrape, send_records, total, wait_for
+from tests.integration.test_contracts_pipeline import CHECK_COLUMNS, _contracts, plugin_site, register
 from tests.integration.test_credit import raw_workload
 from tests.integration.test_llm_judge import JudgeServer
 from tests.integration.test_pipeline import make_workload
 from tests.integration.test_safety_pipeline import workload as safety_workload
 from tests.integration.test_state_graph import build
 from tests.integration.test_state_pipeline import random_ops
+from tests.unit.test_contracts import run_fold, versions_of
+from tests.unit.test_contracts import workload as contracts_workload
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
 from topics.names import DISPATCH, LIFECYCLE, REWARD, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
+from treadle.devstack.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -216,3 +224,117 @@ def test_three_workers_with_every_processor_survive_a_kill_9_and_a_join(
         )
         assert counts(got) == counts(want)
         print(f"{len(events)} events; rows per table {counts(got)}; b killed while input was streaming: {mid_stream}")
+
+
+def interleaved(sessions: list[list[tuple[str, dict]]], rng: random.Random) -> list[tuple[str, dict]]:
+    """The sessions' events, each session's in its order, sessions mixed at random."""
+    queues = [list(events) for events in sessions]
+    out = []
+    while queues:
+        queue = rng.choice(queues)
+        out.append(queue.pop(0))
+        if not queue:
+            queues.remove(queue)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_contracts_survive_a_join_and_a_kill_9_under_load(deployment: Settings, tmp_path: Path) -> None:
+    """steps, state and contracts in two workers of one group: `b` joins while `a` folds a backlog and input streams
+    in (a rebalance with state versions being folded), then is killed with -9 (another, once the group evicts it).
+    contract_checks ends up with exactly the rows an in-process fold of the same versions gives, each once: the
+    versions are read in the worker's input batches, so a rebalance waits for the batch being folded and the next
+    owner goes on after it (a Faust agent's `take_events` read them before, and a rebalance once hung on them)."""
+    settings = deployment.model_copy(
+        update={"processors": ("steps", "state", "contracts"), "state_idle_flush_s": 0.5, "session_timeout_s": 6.0}
+    )
+    asyncio.run(register(settings))
+    rng = random.Random(2424)
+    kinds = ["write_existing", "write_missing", "write_unchanged", "touch", "drop"]
+    sessions = [contracts_workload(rng.choices(kinds, k=40), f"{settings.topic_prefix}-rb{s}") for s in range(12)]
+    book = ContractBook(asyncio.run(_contracts(settings)))
+    expected = {
+        (r["check_id"], r["contract_version"], r["phase"], r["outcome"], r["clause"], r["values_json"],
+         r["state_version_id"])
+        for events in sessions
+        for r in run_fold(versions_of(events), book)
+        if "check_id" in r
+    }  # fmt: skip
+    events = interleaved(sessions, rng)
+    third = len(events) // 3
+    env = {"PYTHONPATH": plugin_site(tmp_path)}
+    a = WorkerProcess(settings, settings.home / "worker.log", env=env)
+    b_home, b_port = tmp_path / "b", settings.web_port + 200
+    b_settings = settings.model_copy(update={"home": b_home, "web_port": b_port, "sink": "off"})
+    b = WorkerProcess(b_settings, b_settings.home / "worker.log", env=env)
+
+    def rows(table: str) -> set[tuple]:
+        _, found = run_sql(settings, f"SELECT {CHECK_COLUMNS} FROM {table}")
+        return {tuple(r) for r in found}
+
+    logs = lambda: "\n".join(f"--- {w.log_path}\n{w.log_tail(40)}" for w in (a, b))  # noqa: E731
+    try:
+        a.start().wait_ready()
+        asyncio.run(send_records(settings, events[:third]))  # a backlog
+        streaming = threading.Thread(target=asyncio.run, args=(produce(settings, events[third : 2 * third], 10),))
+        streaming.start()
+        b.start().wait_ready()  # joins while `a` folds: a rebalance mid-batch
+        wait_for(lambda: total(scrape(b_settings), "treadle_events_in_total") >= 20, 180, "input folded by worker b",
+                 explain=logs)  # fmt: skip
+        mid_stream = streaming.is_alive()
+        b.kill()
+        streaming.join()
+        asyncio.run(send_records(settings, events[2 * third :]))
+        wait_for(lambda: rows("contract_checks_latest") == expected, 300, f"{len(expected)} check rows",
+                 explain=lambda: f"have {len(rows('contract_checks_latest'))}\n{logs()}")  # fmt: skip
+        assert rows("contract_checks") == expected  # no stray row from a replay that decided differently
+        print(f"{len(events)} events, {len(expected)} check rows; b killed while input was streaming: {mid_stream}")
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def changelog_topics(settings: Settings, names: list[str]) -> dict[str, tuple[int, int, str]]:
+    """(partitions, partitions with a leader, cleanup.policy) of each of `names` that exists."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    await admin.start()
+    try:
+        present = set(await admin.list_topics())
+        found = [n for n in names if n in present]
+        if not found:
+            return {}
+        described = {d["topic"]: d["partitions"] for d in await admin.describe_topics(found) if d["error_code"] == 0}
+        out = {}
+        for name, partitions in described.items():
+            (response,) = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, name)])
+            (resource,) = response.resources
+            policy = {entry[0]: entry[1] for entry in resource[4]}["cleanup.policy"]
+            out[name] = (len(partitions), sum(1 for p in partitions if p["leader"] >= 0), policy)
+        return out
+    finally:
+        await admin.close()
+
+
+def test_every_table_changelog_exists_led_before_the_worker_starts(deployment: Settings) -> None:
+    """The worker's cluster preparation makes its tables' changelogs (steps, state, contracts), every partition led:
+    a changelog Faust made as the worker started once missed the group's first assignment, and the rebalance that
+    brought it ~10 s later, under load, never finished (issue 24)."""
+    from processors.contracts.processor import ContractsProcessor
+    from processors.state.processor import StateProcessor
+    from processors.steps.processor import StepProcessor
+    from streams.runtime.app import build_pipeline
+
+    settings = deployment.model_copy(update={"processors": ("steps", "state", "contracts")})
+    app = build_pipeline(settings, processors=[StepProcessor(), StateProcessor(), ContractsProcessor()]).app
+    names = [table.changelog_topic.get_topic_name() for table in app.tables.values()]
+    assert any(name.endswith("-contracts-sessions-changelog") for name in names)
+    assert asyncio.run(changelog_topics(settings, names)) == {}  # a fresh deployment: none yet
+    asyncio.run(prepare_cluster(settings, app=app))
+    made = asyncio.run(changelog_topics(settings, names))
+    assert set(made) == set(names)
+    for name, (partitions, led, policy) in made.items():
+        assert partitions == led == settings.partitions, name
+        assert "compact" in policy.split(","), name

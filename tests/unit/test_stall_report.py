@@ -28,6 +28,23 @@ async def test_task_stacks_show_where_each_task_awaits() -> None:
     assert "test_task_stacks_show_where_each_task_awaits" in text  # the running task is listed too
 
 
+async def parked_in_a_service(never: asyncio.Event) -> None:
+    await folding_a_batch(never)
+
+
+async def test_task_stacks_follow_the_awaits_to_the_innermost_coroutine() -> None:
+    never = asyncio.Event()
+    stuck = asyncio.create_task(parked_in_a_service(never), name="service-3")
+    await asyncio.sleep(0)
+    try:
+        text = task_stacks()
+    finally:
+        stuck.cancel()
+    listing = text.split("--- service-3:", 1)[1].split("\n--- ", 1)[0]
+    assert "await folding_a_batch(never)" in listing and "await never.wait()" in listing
+    assert "in wait" in listing and "await fut" in listing  # asyncio.Event.wait's own frame, innermost
+
+
 async def test_a_long_wait_for_acks_is_reported_once_with_the_task_stacks(caplog: pytest.LogCaptureFixture) -> None:
     consumer = SimpleNamespace(_unacked_messages={"m1", "m2", "m3"})
     never = asyncio.Event()
