@@ -161,6 +161,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         try:
             while not (self.should_stop or fetcher.should_stop):
                 batch: list[Any] = []
+                revocations = app.revocations
                 await self._read_into(batch, 1.0)
                 deadline = time.monotonic() + app.batch_linger_s
                 while batch and len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
@@ -168,8 +169,11 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                     await self._read_into(batch, max(0.0, deadline - time.monotonic()))
                     if len(batch) == had and time.monotonic() >= deadline:
                         break  # nothing more fetched, and the linger is over
-                if batch:
+                if batch and self._may_deliver(revocations):
+                    self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
                     await self._deliver(app.batch_handler, batch)
+                elif batch:
+                    await self._read_again(batch)
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
                     self._commit_in_background()
                 await asyncio.sleep(0)
@@ -177,6 +181,34 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             if not self.transport.app.should_stop:
                 raise
             log.info("broker stopped the consumer while the worker stops")
+
+    def _may_deliver(self, revocations: int) -> bool:
+        """Whether a batch read since the app's `revocations` count was this may be folded: no rebalance began.
+
+        A batch becomes in flight (a rebalance waits for its acks) only here, once read, not when its first record
+        is: a read waits on Faust's consumer thread, which a rebalance keeps busy until the in-flight input is
+        acked, so a batch in flight while still being read stalled both for good ("waited 30 s for 31 handed-out
+        input batches", issue 24). A batch read across a rebalance is read again instead (_read_again): nothing
+        of it was acked. Checked and marked with no await in between, so a rebalance that begins later waits for
+        the batch."""
+        app: ResumingApp = self.app  # type: ignore[assignment]
+        return self.flow_active and app.revocations == revocations
+
+    async def _read_again(self, batch: list[Any]) -> None:
+        """A batch read across a rebalance (not folded): each of its partitions still assigned reads again from its
+        first record in the batch. The rebalance's own seek to the committed offsets is not enough: a read that
+        began before it can end after it, and the batch then holds records read after that seek too."""
+        first: dict[Any, int] = {}
+        for message in batch:
+            if first.get(message.tp, message.offset) >= message.offset:
+                first[message.tp] = message.offset
+        assigned = self.assignment()
+        for tp, offset in first.items():
+            if tp in assigned:
+                await self.seek(tp, offset)
+        where = ", ".join(f"{tp.topic}[{tp.partition}]@{offset}" for tp, offset in first.items())
+        log.info("a rebalance began while %d input records were read into a batch: not folded here; they are read "
+                 "again from %s", len(batch), where)  # fmt: skip
 
     async def _read_into(self, batch: list[Any], timeout: float) -> None:
         """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
@@ -199,11 +231,9 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 await self._add_gap(tp, last + 1, offset)  # compaction or transaction markers
             if tp.topic in batch_topics:
                 self._next_input[tp] = offset + 1
-                if not batch:  # its first record stands for the batch: a rebalance waits until the batch is acked
-                    self._unacked_messages.add(message)
-                    if app.on_first_input is not None:
-                        app.on_first_input()
-                        app.on_first_input = None
+                if app.on_first_input is not None:
+                    app.on_first_input()
+                    app.on_first_input = None
                 batch.append(message)
                 alignment.read(tp, message.timestamp)
             else:
@@ -494,8 +524,10 @@ class ResumingApp(faust.App):
         super().__init__(*args, **kwargs)
         self.before_commit = []
         self._hooks_timed_out = False
+        self.revocations = 0  # rebalances begun (each revokes every partition first): ResumingConsumer._may_deliver
 
     async def _on_partitions_revoked(self, revoked: Any) -> None:
+        self.revocations += 1
         if not self.should_stop:
             await self._before_commit()
         await super()._on_partitions_revoked(revoked)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from dataclasses import dataclass, field
 
 from sinks.sql_client import run_sql
@@ -207,6 +209,47 @@ def test_a_worker_joining_and_leaving_mid_stream_loses_and_duplicates_nothing(
     _, counts = run_sql(
         deployment, "SELECT count() AS rows, uniqExact(session_id, step) AS keys FROM transitions FINAL"
     )
+    assert counts == [[len(expected), len(expected)]]
+
+
+def test_a_rebalance_while_a_batch_is_still_being_read_neither_hangs_nor_loses_input(
+    deployment: Settings, worker_factory, tmp_path
+) -> None:
+    """Each batch is topped up for 1.5 s while input trickles in, so a second worker joins while the first is
+    reading one. A batch in flight while still being read stalled that rebalance for good (its read waited on the
+    consumer thread, which the rebalance kept busy waiting for the batch's acks; issue 24). Now the first worker
+    goes on folding after the rebalance, and the output is whole and single."""
+    settings = deployment.model_copy(update={"process_batch_seconds": 1.5})
+    rng = random.Random(43)
+    expected = make_workload(rng, sessions=12, steps=10)
+    events = [e for step in expected for e in step.events]
+    rng.shuffle(events)
+    first = worker_factory(settings).start()
+    first.wait_ready()
+    done = threading.Event()
+
+    def trickle() -> None:
+        for i in range(0, len(events), 10):
+            asyncio.run(produce(settings, events[i : i + 10]))
+            time.sleep(0.1)
+        done.set()
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    wait_for(lambda: total(scrape(settings), "treadle_events_in_total") > 0, 60, "input folded by the first worker")
+    second_home = {"home": tmp_path / "second", "web_port": settings.web_port + 400, "sink": "off"}
+    other = settings.model_copy(update=second_home)
+    second = worker_factory(other).start()
+    second.wait_ready()
+    joined = total(scrape(settings), "treadle_events_in_total")
+    sender.join(120)
+    assert done.is_set()
+    rows = wait_for(complete(settings, expected), 120, "every transition",
+                    explain=lambda: revision_diff(settings, expected, first, second))  # fmt: skip
+    assert_matches(rows, expected)
+    assert total(scrape(settings), "treadle_events_in_total") > joined  # the first worker folds on after the join
+    assert "handed-out input batches" not in first.log_path.read_text(errors="replace")  # no stalled rebalance
+    _, counts = run_sql(settings, "SELECT count() AS rows, uniqExact(session_id, step) AS keys FROM transitions FINAL")
     assert counts == [[len(expected), len(expected)]]
 
 
