@@ -38,11 +38,7 @@ class NativeBlocks:
         return native_codec.enabled() and hasattr(native_codec.treadle_native, "NativeBlockWriter")
 
     def available(self) -> bool:
-        """Asked for (TREADLE_SINK_NATIVE_BLOCKS) and built.
-
-        Off by default for now: with it on, the worker's kill -9 test (test_weaving_pipeline) twice did not reach its
-        oracle's rows on a loaded machine (it passed three times on a quiet one, and three times with it off); until
-        that is understood, the Avro container stays the default."""
+        """Asked for (TREADLE_SINK_NATIVE_BLOCKS, on by default) and built."""
         return self.enabled and self.built()
 
     async def writer(self, table: str, schema: AvroSchema, names: tuple[str, ...]) -> Any | None:

@@ -263,11 +263,10 @@ class Settings(BaseModel):
         default=0.5, description="TREADLE_SINK_FLUSH_SECONDS: longest wait before a partial batch is inserted."
     )
     sink_native_blocks: bool = Field(
-        default=False,
-        description="TREADLE_SINK_NATIVE_BLOCKS: experimental, off by default: the sink turns the Transitions, woven "
-        "and late rewards it keeps as Avro bytes into ClickHouse Native blocks with treadle_native (~2x the rows per "
-        "CPU-second of the Avro container ClickHouse decodes itself); a batch it refuses goes the Python way. Off "
-        "until a failure of the worker kill -9 test with it on, under load, is explained (docs/benchmarks.md, Sink).",
+        default=True,
+        description="TREADLE_SINK_NATIVE_BLOCKS: the sink turns the Transitions, woven and late rewards it keeps as "
+        "Avro bytes into ClickHouse Native blocks with treadle_native (~2x the rows per CPU-second of the Avro "
+        "container ClickHouse decodes itself); a batch it refuses goes the Python way. 0: the Avro container.",
     )
     credit_rule: Literal["terminal", "uniform", "discounted"] = Field(
         default="discounted",

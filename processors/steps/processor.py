@@ -153,6 +153,8 @@ class StepProcessor:
         # partition -> dispatched steps that changed while a resume held its watermark (published when it ends)
         # (with what the late-rewards metric needs to know of it before its first held-back change)
         self._resuming: dict[int, dict[bytes, _Before]] = defaultdict(dict)
+        # steps with orphans reported by the batch or tick under way: published once their state is on the broker
+        self._orphaned: list[tuple[StepState, bytes, ProcessingContext, _Before, Weave | None, bool]] = []
         self.states = StepStateCodec()  # the table's bytes; attach() gives it the worker's codec (and registry)
         self.max_step_bytes = Settings.model_fields["max_event_bytes"].default  # TREADLE_MAX_EVENT_BYTES
         self.source_watch = SourceWatch()  # required sources that went silent (warned: log + metric)
@@ -298,6 +300,7 @@ class StepProcessor:
             if everything and not repeated and self._defers(key, partition, state, weave, catching_up[partition]):
                 everything = False  # its late-rewards rows only: a pending row waits until caught up
             await self._publish(state, entry.event.session_key, ctx, entry.before, weave, everything)
+        await self._publish_orphaned(ctx)
         for partition, behind in catching_up.items():  # the windows the batch moved the watermark past close now
             await self._fire_due(partition, self.watermarks.watermark(partition), ctx, behind)
 
@@ -407,6 +410,7 @@ class StepProcessor:
                     everything = not self._defers(key, partition, state, weave, catching_up)
                     await self._publish(state, state.session_key, ctx, before, weave, everything)
             self._schedule(state, weave)
+        await self._publish_orphaned(ctx)
         if self._unwritten.full():
             await self._write_out(ctx)
         if self._resuming.get(partition) and not self.watermarks.holding(partition):
@@ -595,7 +599,21 @@ class StepProcessor:
         everything: bool = True,
     ) -> None:
         """The step's current rows, or only its late-rewards rows (see publishes_all); orphans included.
-        Counts rewards newly not woven."""
+        Counts rewards newly not woven. A step that reports new orphans waits for _publish_orphaned."""
+        if state.dispatch is None and any(event_id not in before.orphans for event_id in state.orphans):
+            self._orphaned.append((state, key, ctx, before, weave, everything))
+            return
+        await self._send_rows(state, key, ctx, before, weave, everything)
+
+    async def _send_rows(
+        self,
+        state: StepState,
+        key: bytes,
+        ctx: ProcessingContext,
+        before: _Before,
+        weave: Weave | None,
+        everything: bool,
+    ) -> None:
         if everything or weave is None:
             records = self.assembler.outputs(state, weave)
         else:
@@ -607,6 +625,32 @@ class StepProcessor:
             if schema_name == LATE_REWARD and before.newly_not_woven(record):
                 ctx.metrics.late_rewards.labels(record["source"]).inc()
         state.emitted = everything or weave is None
+
+    async def _publish_orphaned(self, ctx: ProcessingContext) -> None:
+        """Publish the steps holding new orphan reports once their state (the orphans marked) is on the broker.
+
+        An orphan is reported when the watermark passes its deadline, and after a restart the watermark is rebuilt
+        from the inputs replayed: if the dispatch is among them, the step is woven with no orphan report, and an
+        ORPHAN row the dead worker had published would never be resolved (seen as stale ORPHAN late_rewards rows
+        after a kill -9). With the state written through first, the restarted worker knows what it reported, and
+        the dispatch resolves it (ORPHAN_RESOLVED). Orphans are rare, so one producer flush per batch or tick that
+        has any costs little."""
+        if not self._orphaned:
+            return
+        orphaned, self._orphaned = self._orphaned, []
+        written = []
+        for state, *_ in orphaned:
+            key, partition = state.logical_event_id.encode(), state.partition
+            assert partition is not None
+            value = self.states.encode(state)
+            await table_writes.send_changelog(self.table, key, value, partition, ctx)
+            written.append((key, value, partition))
+        await self.table.app.producer.flush()  # the orphans are marked on the broker before they are reported
+        for key, value, partition in written:
+            table_writes.write_local(self.table, key, value, partition)
+            self._unwritten.discard(key)
+        for state, key, step_ctx, before, weave, everything in orphaned:
+            await self._send_rows(state, key, step_ctx, before, weave, everything)
 
     def _remember(self, reward: dict[str, Any]) -> None:
         if not self.assembler.policies.imputes_rolling_means:
