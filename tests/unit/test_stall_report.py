@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -15,14 +17,18 @@ async def folding_a_batch(never: asyncio.Event) -> None:
     await never.wait()
 
 
-async def test_task_stacks_show_where_each_task_awaits() -> None:
-    never = asyncio.Event()
-    stuck = asyncio.create_task(folding_a_batch(never), name="fold-batch-7")
+async def stacks_while_parked(coro: Coroutine[Any, Any, None], name: str) -> str:
+    """task_stacks() while a task named `name` runs `coro` and waits forever."""
+    stuck = asyncio.create_task(coro, name=name)
     await asyncio.sleep(0)
     try:
-        text = task_stacks()
+        return task_stacks()
     finally:
         stuck.cancel()
+
+
+async def test_task_stacks_show_where_each_task_awaits() -> None:
+    text = await stacks_while_parked(folding_a_batch(asyncio.Event()), "fold-batch-7")
     assert "--- fold-batch-7: <coroutine object folding_a_batch" in text
     assert "await never.wait()" in text  # the line the task is parked on
     assert "test_task_stacks_show_where_each_task_awaits" in text  # the running task is listed too
@@ -33,13 +39,7 @@ async def parked_in_a_service(never: asyncio.Event) -> None:
 
 
 async def test_task_stacks_follow_the_awaits_to_the_innermost_coroutine() -> None:
-    never = asyncio.Event()
-    stuck = asyncio.create_task(parked_in_a_service(never), name="service-3")
-    await asyncio.sleep(0)
-    try:
-        text = task_stacks()
-    finally:
-        stuck.cancel()
+    text = await stacks_while_parked(parked_in_a_service(asyncio.Event()), "service-3")
     listing = text.split("--- service-3:", 1)[1].split("\n--- ", 1)[0]
     assert "await folding_a_batch(never)" in listing and "await never.wait()" in listing
     assert "in wait" in listing and "await fut" in listing  # asyncio.Event.wait's own frame, innermost
