@@ -200,7 +200,8 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         began before it can end after it, and the batch then holds records read after that seek too."""
         first: dict[Any, int] = {}
         for message in batch:
-            first[message.tp] = min(first.get(message.tp, message.offset), message.offset)
+            if first.get(message.tp, message.offset) >= message.offset:
+                first[message.tp] = message.offset
         assigned = self.assignment()
         for tp, offset in first.items():
             if tp in assigned:
