@@ -5,9 +5,10 @@ Like with like: the same rows into the same table (the real migrations), the sam
 Arrow IPC streams built beforehand (untimed), inserted FORMAT ArrowStream; the same columns as Python lists through
 clickhouse-connect's column insert are printed beside it, and so is the insert of the Avro container the sink would
 hand ClickHouse for the same records, prebuilt (the sink's own cost is the difference). The sink is timed on the
-path the consumer takes for the Transitions topic (the Avro bytes as they are on the topic: `add_encoded`, ClickHouse
-reads the Avro) and on the decoded-record path that input topics and the Avro fallback take (`add`: row mapping in
-Python).
+path the consumer takes for the Transitions topic (the Avro bytes as they are on the topic, in the ConsumerRecords a
+fetch returns: `add_encoded_records`, then Native blocks made natively) and on the decoded-record path that input
+topics and the Avro fallback take (`add`: row mapping in Python). Background merges are stopped on both tables: a
+run's merges would otherwise land in the next run's CPU clock.
 
 chDB allows one data path per process, so this runs in its own process on a fresh path, with two databases
 (bench_sink for the sink, bench_direct for the direct inserts):
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pyarrow as pa
+from aiokafka.structs import ConsumerRecord
 
 from bench.common import Measurement, machine_facts, median_run, write_measurements
 from bench.workload import final_transitions, make_steps
@@ -47,8 +49,8 @@ DIRECT_AVRO = "direct chDB insert (Avro)"
 DIRECT_NATIVE = "direct chDB insert (Native)"
 TARGET = 0.8
 SINK_ENCODED_COMMAND = (
-    "ClickHouseSink(batch_size={batch}).add_encoded('transitions', avro bytes, Transition) per record, as the "
-    "consumer does; flush() when full + at end"
+    "ClickHouseSink(batch_size={batch}).add_encoded_records('transitions', fetched ConsumerRecords, Transition) per "
+    "fetch of up to {batch}, as the consumer does; flush() when full + at end"
 )
 SINK_DECODED_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', decoded record) per record; flush()"
 ARROW_COMMAND = "client.raw_insert('transitions', prebuilt Arrow IPC stream, fmt='ArrowStream'), {batch} rows each"
@@ -104,10 +106,25 @@ def arrow_streams(store: ClickHouseStore, batches: list[list[list[Any]]]) -> lis
     return streams
 
 
-async def _sink_encoded(store: ClickHouseStore, encoded: list[bytes], batch: int, codec: AvroCodec) -> None:
+def fetches(encoded: list[bytes], batch: int) -> list[list[ConsumerRecord]]:
+    """The values as the sink's consumer gets them: aiokafka ConsumerRecords, at most `batch` per fetch
+    (getmany(max_records=TREADLE_SINK_BATCH_SIZE)); made beforehand, as aiokafka makes them for the consumer."""
+    records = [
+        ConsumerRecord("treadle.transitions", 0, offset, 1_700_000_000_000, 0, None, value, None, -1, len(value), ())
+        for offset, value in enumerate(encoded)
+    ]
+    return [records[start : start + batch] for start in range(0, len(records), batch)]
+
+
+async def _sink_encoded(
+    store: ClickHouseStore, fetched: list[list[ConsumerRecord]], batch: int, codec: AvroCodec
+) -> None:
     sink = ClickHouseSink(store, batch_size=batch, codec=codec, native_blocks=True)
-    for value in encoded:
-        if sink.add_encoded("transitions", value, TRANSITION):
+    for records in fetched:
+        full = sink.add_encoded_records("transitions", records, TRANSITION)
+        if full is None:
+            raise RuntimeError("the sink did not take the fetched records as bytes")
+        if full:
             await sink.flush()
     await sink.flush()
 
@@ -194,18 +211,22 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
     streams = arrow_streams(store, batches)
     blocks = native_blocks(store, batches, streams)
     files = avro_containers(encoded, batch)
+    fetched = fetches(encoded, batch)
     runs: dict[str, Callable[[], Awaitable[None]]] = {
         DIRECT_ARROW: lambda: _direct(store, streams, "ArrowStream"),
-        SINK_ENCODED: lambda: _sink_encoded(store, encoded, batch, codec),
+        SINK_ENCODED: lambda: _sink_encoded(store, fetched, batch, codec),
         DIRECT_NATIVE: lambda: _direct(store, blocks, "Native"),
         DIRECT_COLUMNS: lambda: _direct_columns(store, batches),
         DIRECT_AVRO: lambda: _direct(store, files, "Avro"),
         SINK_DECODED: lambda: _sink_decoded(store, records, batch, codec),
     }
     db = dict.fromkeys(runs, DIRECT_DB) | {SINK_ENCODED: SINK_DB, SINK_DECODED: SINK_DB}
-    await _sink_encoded(store, encoded[:1000], batch, codec)  # warm-up: first inserts create parts, load code
+    # warm-up: first inserts create parts, load code
+    await _sink_encoded(store, fetches(encoded[:1000], batch), batch, codec)
     await _sink_decoded(store, records[:1000], batch, codec)
     await _direct(store, arrow_streams(store, column_batches(records[:1000], batch)), "ArrowStream")
+    for name in (SINK_DB, DIRECT_DB):  # a run's background merges would land in the next run's CPU clock
+        await store.command(f"SYSTEM STOP MERGES {name}.transitions")
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     wall: dict[str, list[float]] = {name: [] for name in runs}
     wrong: set[str] = set()

@@ -125,10 +125,9 @@ class SinkConsumer:
             if self.assignor.refusal is not None:
                 raise SinkRefusedError(self.assignor.refusal)  # with no partitions: nothing of ours is pending
             for tp, messages in batches.items():
-                for message in messages:
-                    full |= self._add(message)
-                    uncommitted = True
                 if messages:
+                    full |= self._add_all(tp.topic, messages)
+                    uncommitted = True
                     self._consumed[tp] = messages[-1].offset + 1
             if self._unknown_writer:
                 full |= await self._add_after_reload()
@@ -164,6 +163,19 @@ class SinkConsumer:
                 full |= self.sink.add(self._specs[source.topic].kind, read.record, row_source, read.schema_name)
             else:
                 self.skipped += 1
+        return full
+
+    def _add_all(self, topic: str, messages: list) -> bool:
+        """Buffer the rows of one partition's messages; True when a table's batch is full. An output topic's batch
+        whose records all stay bytes is taken whole (ClickHouseSink.add_encoded_records), the rest one by one."""
+        spec = self._specs[topic]
+        if spec.role is not TopicRole.INPUT:
+            full = self.sink.add_encoded_records(spec.kind, messages, self._expect[topic])
+            if full is not None:
+                return full
+        full = False
+        for message in messages:
+            full |= self._add(message)
         return full
 
     def _add(self, message) -> bool:

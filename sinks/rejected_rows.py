@@ -35,6 +35,14 @@ class RowSource(NamedTuple):
         return cls(message.topic, message.partition, message.offset, message.timestamp, message.value)
 
 
+def row_source(source: Any) -> RowSource | None:
+    """A RowSource, or None, from what a buffered row keeps: a RowSource, None, or the aiokafka ConsumerRecord itself
+    (ClickHouseSink.add_encoded_records keeps the records and makes a RowSource only for a row it rejects)."""
+    if source is None or isinstance(source, RowSource):
+        return source
+    return RowSource.of(source)
+
+
 def rejected_row(stage: RejectStage, table: str, reason: str, source: RowSource) -> dict[str, Any]:
     """The rejected_rows row of `source`; the same on replay (the id and time come from the source only)."""
     value = source.value

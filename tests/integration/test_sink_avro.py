@@ -17,6 +17,7 @@ from typing import Any
 
 import fastavro
 import pytest
+from aiokafka.structs import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -196,6 +197,53 @@ def test_a_record_that_cannot_be_read_is_decoded_in_python_and_only_it_is_lost(
         assert "ClickHouse could not insert 4 Avro records into late_rewards" in caplog.text
     assert "undecodable treadle.derived.LateReward record bound for late_rewards" in caplog.text
     assert store.query_sync("SELECT count() FROM late_rewards").result_rows == [(3,)]
+
+
+def fetched(values: list[bytes | None], partition: int = 2) -> list[ConsumerRecord]:
+    """The values as a fetch hands them to the sink's consumer."""
+    return [
+        ConsumerRecord("t", partition, 100 + i, 1_700_000_000_000 + i, 0, None, v, None, -1, len(v or b""), ())
+        for i, v in enumerate(values)
+    ]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(late=records("late_rewards", min_size=3, max_size=3))
+def test_a_fetch_is_taken_whole_and_a_bad_record_in_it_is_rejected_with_its_offset(
+    stores: tuple[ClickHouseStore, ClickHouseStore], byte_path: str, late: list[dict[str, Any]]
+) -> None:
+    """add_encoded_records keeps the ConsumerRecords as their rows' sources: the one record the batch cannot insert
+    becomes a rejected_rows row naming its topic, partition and offset, and the others land."""
+    _, store = stores
+    for table in ("late_rewards", "rejected_rows"):
+        store.command_sync(f"TRUNCATE TABLE {table}")
+    good = [CODEC.encode(LATE.name, record) for record in late]
+    sink = ClickHouseSink(store, batch_size=4, native_blocks=byte_path == "native")
+    assert sink.add_encoded_records("late_rewards", fetched([good[0], good[0][:-4]]), LATE.name) is False
+    assert sink.add_encoded_records("late_rewards", fetched(good[1:], partition=3), LATE.name) is True
+    assert sink._batches == {} and sink.pending_rows == {"late_rewards": 4}
+    assert asyncio.run(sink.flush()) == {"late_rewards": 3, "rejected_rows": 1}
+    assert store.query_sync("SELECT count() FROM late_rewards").result_rows == [(3,)]
+    rejected = store.query_sync("SELECT rejected_id, stage, target_table, value FROM rejected_rows").result_rows
+    assert rejected == [("t/2/101", "MAP", "late_rewards", good[0][:-4].hex())]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=values(LATE.json))
+def test_a_fetch_that_cannot_stay_bytes_is_left_to_the_one_by_one_way(
+    stores: tuple[ClickHouseStore, ClickHouseStore], record: dict[str, Any]
+) -> None:
+    late = CODEC.encode(LATE.name, record)
+    sink = ClickHouseSink(stores[1])
+    unknown = b"\xc3\x01" + bytes(8) + b"\x00"  # another writer schema
+    letter = "treadle.derived.DeadLetter"
+    assert sink.add_encoded_records("late_rewards", fetched([late, None]), LATE.name) is None  # a tombstone
+    assert sink.add_encoded_records("late_rewards", fetched([late, unknown]), LATE.name) is None
+    assert sink.add_encoded_records("late_rewards", [], LATE.name) is None
+    assert sink.add_encoded_records("dead_letters", fetched([late]), letter) is None  # not a bytes table
+    assert sink.pending == 0, "nothing was buffered by a refused fetch"
+    assert sink.add_encoded_records("late_rewards", fetched([late]), LATE.name) is False
+    assert sink.pending_rows == {"late_rewards": 1}
 
 
 TRANSITION = CODEC.schemas[SCHEMA_OF["transitions"]]
