@@ -251,7 +251,10 @@ def test_three_workers_with_every_processor_survive_a_kill_9_and_a_join(
             explain=lambda: diff(want, snapshot(faulty, sessions)) + "\n" + logs(),
         )
         assert counts(got) == counts(want)
-        print(f"{len(events)} events; rows per table {counts(got)}; b killed while input was streaming: {mid_stream}")
+        print(
+            f"{len(events)} events; rows per table {counts(got)}; b killed after folding {enough}+ events, while "
+            f"input was streaming: {mid_stream}"
+        )
 
 
 CHECK_FIELDS = tuple(column.strip() for column in CHECK_COLUMNS.split(","))
