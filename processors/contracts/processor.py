@@ -157,9 +157,5 @@ class ContractsProcessor:
         if not changed:
             return
         await self.app.producer.flush()  # the checks are on the broker before the fold state says they were made
-        records = [(key, partition, session.to_bytes()) for key, (partition, session) in changed.items()]
-        for key, partition, record in records:
-            await table_writes.send_changelog(self.sessions, key, record, partition, ctx)
-        await self.app.producer.flush()
-        for key, partition, record in records:
-            table_writes.write_local(self.sessions, key, record, partition)
+        records = [(key, session.to_bytes(), partition) for key, (partition, session) in changed.items()]
+        await table_writes.put_acked(self.sessions, records, ctx)

@@ -304,12 +304,9 @@ class StateProcessor:
             for work in changed:
                 await work.store.materialize(ctx, versions_only=True)  # the write-ahead log of this commit
             await self.app.producer.flush()  # those, and earlier graph writes and outputs, are on the broker
-            records = [(w, w.record()) for w in changed]
-            for work, record in records:
-                await table_writes.send_changelog(self.sessions, work.session.encode(), record, work.partition, ctx)
-            await self.app.producer.flush()  # committed
-            for work, record in records:
-                table_writes.write_local(self.sessions, work.session.encode(), record, work.partition)
+            records = [(w.session.encode(), w.record(), w.partition) for w in changed]
+            await table_writes.put_acked(self.sessions, records, ctx)  # committed
+            for work in changed:
                 self._remember(work.session, work.state)
         versions: list[dict[str, Any]] = []
         for work in works:

@@ -638,16 +638,12 @@ class StepProcessor:
         if not self._orphaned:
             return
         orphaned, self._orphaned = self._orphaned, []
-        written = []
+        states = []
         for state, *_ in orphaned:
-            key, partition = state.logical_event_id.encode(), state.partition
-            assert partition is not None
-            value = self.states.encode(state)
-            await table_writes.send_changelog(self.table, key, value, partition, ctx)
-            written.append((key, value, partition))
-        await self.table.app.producer.flush()  # the orphans are marked on the broker before they are reported
-        for key, value, partition in written:
-            table_writes.write_local(self.table, key, value, partition)
+            assert state.partition is not None
+            states.append((state.logical_event_id.encode(), self.states.encode(state), state.partition))
+        await table_writes.put_acked(self.table, states, ctx)  # the orphans marked on the broker before reported
+        for key, _, _ in states:
             self._unwritten.discard(key)
         for state, key, step_ctx, before, weave, everything in orphaned:
             await self._send_rows(state, key, step_ctx, before, weave, everything)

@@ -9,7 +9,7 @@ the batch's outputs, so Faust's recovery replays it exactly as its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import faust
@@ -101,10 +101,23 @@ async def delete_in_partition(table: Any, key: bytes, partition: int, ctx: Proce
 async def send_changelog(table: Any, key: bytes, value: bytes, partition: int, ctx: ProcessingContext) -> None:
     """The changelog half of put_in_partition: for a commit record that must be acked before it is used.
 
-    Follow it with a producer flush, then `write_local`; the local RocksDB then never holds a record the
-    changelog lost in a crash (recovery replays the changelog over it from Faust's last persisted offset).
+    Follow it with a producer flush, then `write_local` (put_acked does the three); the local RocksDB then never
+    holds a record the changelog lost in a crash (recovery replays the changelog over it from Faust's last persisted
+    offset).
     """
     await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
+
+
+async def put_acked(table: Any, items: Iterable[tuple[bytes, bytes, int]], ctx: ProcessingContext) -> None:
+    """table[key] = value for each (key, value, partition), written locally only once the broker has acked every
+    changelog record (one producer flush for all, which also waits for everything sent before): for a commit record,
+    or a state that must be on the broker before the outputs that depend on it go out."""
+    written = list(items)
+    for key, value, partition in written:
+        await send_changelog(table, key, value, partition, ctx)
+    await table.app.producer.flush()
+    for key, value, partition in written:
+        write_local(table, key, value, partition)
 
 
 def write_local(table: Any, key: bytes, value: bytes, partition: int) -> None:
