@@ -80,6 +80,15 @@ class AvroCodec:
                 pass  # not the plain, exactly typed values it takes: fastavro encodes them or raises its own error
         return self.encode_fastavro(schema_name, record)
 
+    def writer(self, schema_name: str) -> Callable[[dict[str, Any]], bytes]:
+        """What `encode` runs first for `schema_name` (the native or generated writer), for a caller that encodes one
+        schema per call site and calls `encode` only when it raises; without one, `encode` for that schema."""
+        try:
+            writer = self._writers[schema_name]
+        except KeyError:
+            writer = self._writers[schema_name] = self._compile(schema_name)
+        return writer if writer is not None else lambda record: self.encode_fastavro(schema_name, record)
+
     def encode_fastavro(self, schema_name: str, record: dict[str, Any]) -> bytes:
         """The reference encoding (fastavro.schemaless_writer); the generated writers must match it byte for byte."""
         schema = self.schemas[schema_name]

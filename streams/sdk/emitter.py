@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -77,6 +77,7 @@ class _Emitter:
         self._topics = {schema: catalog.for_schema(schema).name for schema in (*INPUT_SCHEMAS, *PLAN_INPUT_SCHEMAS)}
         self._attributes: dict[str, str] = {}  # attributes every event of this emitter carries (AgentStream's)
         self._codec = codec or AvroCodec()
+        self._writers: dict[str, Callable[[dict[str, Any]], bytes]] = {}  # schema -> the codec's writer (_encode)
         self._producer = producer
         self._owns_producer = producer is None
         self._producer_options = dict(producer_options or {})
@@ -435,7 +436,6 @@ class _Emitter:
 
     def _envelope(
         self,
-        *,
         event_id: str,
         session_id: str,
         episode_id: str,
@@ -445,6 +445,7 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> dict[str, Any]:
+        """An event's envelope; the hot paths pass its fields positionally (a keyword call costs more, per event)."""
         if event_time is not None and (problem := event_time_problem(event_time)) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
         return {
@@ -465,7 +466,11 @@ class _Emitter:
     def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
         """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
         try:
-            value = self._codec.encode(schema, record)
+            try:
+                value = self._writers[schema](record)  # the codec's compiled writer, without AvroCodec.encode's call
+            except Exception:  # no compiled writer yet, or values it does not take: the codec's full path decides
+                value = self._codec.encode(schema, record)
+                self._writers[schema] = self._codec.writer(schema)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
         if len(value) > MAX_NAME_CHARS and (problem := overlong_name_problem(record)) is not None:
@@ -490,10 +495,12 @@ class _Emitter:
         topic = self._topics[schema]
         if key is None:
             session_id = record["envelope"]["session_id"]
-            if self._hashed[0] != session_id or not session_id:
+            hashed = self._hashed
+            if hashed[0] != session_id or not session_id:
                 key = session_id.encode()
-                self._hashed = (session_id, key, key_hash(key))
-            _, key, hashed = self._hashed
+                hashed = self._hashed = (session_id, key, key_hash(key))
+            key = hashed[1]
+            hashed = hashed[2]
         else:
             hashed = key_hash(key)
         if self._spooling:
@@ -501,15 +508,18 @@ class _Emitter:
         # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
         partition = hashed % self._partition_counts[topic]
         token = self._tokens
-        self._tokens += 1
-        assert self._batcher is not None
+        self._tokens = token + 1
         try:
-            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
+            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)  # type: ignore[union-attr]
         except Exception as exc:
             raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
         if batch is None:
             return self._send_when_room(schema, record, topic, partition, key, value, token)
-        self._track(token, value, batch)
+        # _track, inline: once per event
+        self._pending[token] = value
+        self._batches[batch] = None
+        if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
+            self._checkpoint(now, token)
         return None
 
     def _track(self, token: int, value: bytes, batch: Batch) -> None:
@@ -583,7 +593,6 @@ class _Emitter:
         self,
         target: StepRef | str,
         value: float,
-        *,
         source: str,
         name: str,
         confidence: float,
@@ -594,10 +603,10 @@ class _Emitter:
         trace_id: str | None,
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
-        event_id: str | None = None,
+        event_id: str | None,
     ) -> tuple[str, Coroutine[Any, Any, None] | None]:
         """Check, build, encode and hand over a RewardSignal: its event_id, and what to await when the partition's
-        batch was full (None almost always). Not a coroutine itself: one per reward fewer."""
+        batch was full (None almost always). Not a coroutine itself, and positional: once per reward."""
         self._ready_to_send()
         if event_id is not None and not (isinstance(event_id, str) and event_id):
             raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
@@ -613,17 +622,11 @@ class _Emitter:
         event_id = event_id or uuid7()
         if (problem := reward_problem(value := float(value), confidence := float(confidence))) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
+        envelope = self._envelope(
+            event_id, session_id, episode_id or "", logical_event_id, self._seq, trace_id or "", attributes, event_time
+        )
         record = {
-            "envelope": self._envelope(
-                event_id=event_id,
-                session_id=session_id,
-                episode_id=episode_id or "",
-                logical_event_id=logical_event_id,
-                seq=self._seq,
-                trace_id=trace_id or "",
-                attributes=attributes,
-                event_time=event_time,
-            ),
+            "envelope": envelope,
             "source": source,
             "name": name,
             "value": value,
