@@ -60,6 +60,7 @@ from streams.sdk.types import (
     _micros,
     _node,
     _params_json,
+    _step_ref,
     _text,
 )
 from topics.codec import AvroCodec
@@ -167,9 +168,8 @@ class AgentStream(_Emitter):
         self._seq += 1
         if (waiting := self._send(DISPATCH, record, encoded)) is not None:
             await waiting
-        # positional: a frozen dataclass's keyword call costs a third more, once per step
         session_id, episode_id, dispatched_at = envelope["session_id"], envelope["episode_id"], envelope["event_time"]
-        return StepRef(event_id, trace, step, session_id, episode_id, tool, dispatched_at)
+        return _step_ref(event_id, trace, step, session_id, episode_id, tool, dispatched_at)
 
     def tool_call(self, step: StepRef) -> _AsyncToolCallContext:
         """Measure a tool call and emit its ToolResult on exit (OK, ERROR on exception, TIMEOUT on TimeoutError).
