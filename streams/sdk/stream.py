@@ -150,26 +150,22 @@ class AgentStream(_Emitter):
             raise InvalidParamsError(f"params of {tool} are not JSON-serializable: {exc}") from exc
         event_id = uuid7()
         trace = trace_id or event_id.replace("-", "")
-        envelope = self._envelope(
-            event_id, self.session_id, self.episode_id, event_id, self._seq, trace, attributes, event_time
-        )
-        step = self._step
-        record = {
-            "envelope": envelope,
-            "step": step,
-            "tool": tool,
-            "params_json": params_json,
-            "deadline": _micros(deadline),
-        }
+        session_id, episode_id, step = self.session_id, self.episode_id, self._step
+        at = time.time_ns() // 1000 if event_time is None else self._event_time(event_time)
+        # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
+        envelope = (
+            event_id, session_id, self.agent_id, episode_id, event_id, self._seq, at, self.policy_version, trace,
+            self._event_attributes(attributes) if attributes or self._attributes else {},
+        )  # fmt: skip
+        record = (envelope, step, tool, params_json, _micros(deadline))  # DISPATCH_FIELDS
         encoded = self._encode(DISPATCH, record)
         # No await between reading the counters and advancing them: concurrent dispatches never share a step.
         self._step += 1
         self._episode_steps += 1
         self._seq += 1
-        if (waiting := self._send(DISPATCH, record, encoded)) is not None:
+        if (waiting := self._send(DISPATCH, record, encoded, None, session_id)) is not None:
             await waiting
-        session_id, episode_id, dispatched_at = envelope["session_id"], envelope["episode_id"], envelope["event_time"]
-        return _step_ref(event_id, trace, step, session_id, episode_id, tool, dispatched_at)
+        return _step_ref(event_id, trace, step, session_id, episode_id, tool, at)
 
     def tool_call(self, step: StepRef) -> _AsyncToolCallContext:
         """Measure a tool call and emit its ToolResult on exit (OK, ERROR on exception, TIMEOUT on TimeoutError).
@@ -225,25 +221,21 @@ class AgentStream(_Emitter):
         if not 0.0 <= (latency_ms := float(latency_ms)) < _INFINITY and (problem := latency_problem(latency_ms)):
             raise ValueError(problem)
         event_id = uuid7()
-        envelope = self._envelope(
-            event_id, step.session_id, step.episode_id, step.logical_event_id, self._seq, step.trace_id, attributes,
-            event_time,
+        session_id = step.session_id
+        # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
+        envelope = (
+            event_id, session_id, self.agent_id, step.episode_id, step.logical_event_id, self._seq,
+            time.time_ns() // 1000 if event_time is None else self._event_time(event_time), self.policy_version,
+            step.trace_id, self._event_attributes(attributes) if attributes or self._attributes else {},
         )  # fmt: skip
-        record = {
-            "envelope": envelope,
-            "tool": step.tool,
-            "status": status._value_,  # `.value` is a descriptor call, once per event
-            "output": output if type(output) is str else _text(output),
-            "error": error,
-            "latency_ms": latency_ms,
-            "cost_usd": float(cost_usd),
-            "tokens_in": int(tokens_in),
-            "tokens_out": int(tokens_out),
-            "retries": int(retries),
-        }
+        # TOOL_RESULT_FIELDS; `status._value_`: `.value` is a descriptor call, once per event
+        record = (
+            envelope, step.tool, status._value_, output if type(output) is str else _text(output), error, latency_ms,
+            float(cost_usd), int(tokens_in), int(tokens_out), int(retries),
+        )  # fmt: skip
         encoded = self._encode(TOOL_RESULT, record)
         self._seq += 1
-        return event_id, self._send(TOOL_RESULT, record, encoded)
+        return event_id, self._send(TOOL_RESULT, record, encoded, None, session_id)
 
     async def _emit_tool_call(self, call: ToolCall, in_flight: BaseException | None) -> None:
         """Emit a finished ToolCall (`_tool_call_result`, awaited)."""
