@@ -521,7 +521,8 @@ class _Emitter:
         topic = self._topics[schema]
         if key is None:
             if session_id is None:
-                session_id = self._codec.record_of(schema, record)["envelope"]["session_id"]
+                whole = record if type(record) is dict else self._codec.record_of(schema, record)
+                session_id = whole["envelope"]["session_id"]
             hashed = self._hashed
             if hashed[0] != session_id or not session_id:
                 key = session_id.encode()
