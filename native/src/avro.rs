@@ -5,6 +5,8 @@
 //! as itself; anything else raises `Refused`, and topics/codec.py hands the record or bytes to fastavro, whose
 //! leniency and error messages stay the reference. Where it writes or reads, the result is fastavro's, byte for
 //! byte and value for value (tests/test_avro_native.py). About 4x faster than the generated Python per record.
+//! A record may also be given as a tuple of its field values in schema order (AvroCodec.writer, for the SDK's hot
+//! paths, which then build no dicts); topics/codec.py turns such tuples into dicts for the other writers.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, TryLockError};
