@@ -80,6 +80,29 @@ class AvroCodec:
                 pass  # not the plain, exactly typed values it takes: fastavro encodes them or raises its own error
         return self.encode_fastavro(schema_name, record)
 
+    def writer(self, schema_name: str) -> Callable[[dict[str, Any] | tuple[Any, ...]], bytes]:
+        """What `encode` runs first for `schema_name` (the native or generated writer), for a caller that encodes one
+        schema per call site and calls `encode` only when it raises; without one, `encode` for that schema.
+
+        It also takes the record as a tuple of its field values in schema order (`record_of`), nested records
+        defined at their field as tuples too: the SDK's hot paths build no dicts. The native writer reads tuples
+        as they are; the others get the dicts `record_of` makes of them."""
+        try:
+            writer = self._writers[schema_name]
+        except KeyError:
+            writer = self._writers[schema_name] = self._compile(schema_name)
+        if writer is not None and self.native and native_codec.TAKES_TUPLES:
+            return writer
+        encode = writer if writer is not None else lambda record: self.encode_fastavro(schema_name, record)
+        record_of = self.record_of
+        return lambda record: encode(record_of(schema_name, record) if type(record) is tuple else record)
+
+    def record_of(self, schema_name: str, values: tuple[Any, ...] | dict[str, Any]) -> dict[str, Any]:
+        """The record `values` gives as a tuple of its field values in schema order (nested records defined at
+        their field may be tuples too), as the dict `encode` takes; a dict is returned as it is. ValueError when a
+        tuple has too few or too many values."""
+        return _record_dict(self.schemas[schema_name].json, values)  # type: ignore[no-any-return]
+
     def encode_fastavro(self, schema_name: str, record: dict[str, Any]) -> bytes:
         """The reference encoding (fastavro.schemaless_writer); the generated writers must match it byte for byte."""
         schema = self.schemas[schema_name]
@@ -195,6 +218,20 @@ class AvroCodec:
         if end != len(data):
             raise DecodeError(DeadLetterStage.DECODE, f"{len(data) - end} trailing bytes after a {writer.name} record")
         return record
+
+
+def _record_dict(schema: Any, value: Any) -> Any:
+    """`value` with each record given as a tuple (at a record type defined in place) turned into a dict."""
+    if type(value) is tuple and isinstance(schema, dict) and schema.get("type") == "record":
+        fields = schema["fields"]
+        if len(value) != len(fields):
+            raise ValueError(f"{schema.get('name')} has {len(fields)} fields, the tuple given {len(value)} values")
+        return {field["name"]: _record_dict(field["type"], v) for field, v in zip(fields, value, strict=True)}
+    if type(value) is tuple and isinstance(schema, list):  # a union: its record branch, if it has one
+        for branch in schema:
+            if isinstance(branch, dict) and branch.get("type") == "record":
+                return _record_dict(branch, value)
+    return value
 
 
 def _compiled_reader(schema: AvroSchema, native_allowed: bool) -> RecordReader | None:

@@ -41,6 +41,21 @@ def record_codec(schema_json: Any, prefix: bytes = b"") -> Any | None:
         return None
 
 
+def _takes_tuples() -> bool:
+    """Whether this build of treadle_native writes a record given as a tuple of its field values (older builds take
+    dicts only; topics.codec then turns tuples into dicts first)."""
+    if treadle_native is None:
+        return False
+    probe = {"type": "record", "name": "Probe", "fields": [{"name": "n", "type": "long"}]}
+    try:
+        return bytes(treadle_native.RecordCodec(json.dumps(probe)).encode((1,))) == b"\x02"
+    except Exception:
+        return False
+
+
+TAKES_TUPLES = _takes_tuples()
+
+
 def describe() -> str:
     """Which codec encodes and decodes records here, for a worker's or sink's start-up log line."""
     if enabled():

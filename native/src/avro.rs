@@ -5,6 +5,8 @@
 //! as itself; anything else raises `Refused`, and topics/codec.py hands the record or bytes to fastavro, whose
 //! leniency and error messages stay the reference. Where it writes or reads, the result is fastavro's, byte for
 //! byte and value for value (tests/test_avro_native.py). About 4x faster than the generated Python per record.
+//! A record may also be given as a tuple of its field values in schema order (AvroCodec.writer, for the SDK's hot
+//! paths, which then build no dicts); topics/codec.py turns such tuples into dicts for the other writers.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, TryLockError};
@@ -12,7 +14,7 @@ use std::sync::{Mutex, TryLockError};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::Value;
 
 use crate::schema::{full_name, null_first, UNSUPPORTED_UNION};
@@ -335,8 +337,19 @@ impl RecordCodec {
                 out.extend_from_slice(b);
             }
             Node::Record(id) => {
+                let fields = &self.records[*id].fields;
+                // A tuple is the record's field values in schema order (the SDK's hot paths build no dicts).
+                if let Ok(tuple) = value.downcast_exact::<PyTuple>() {
+                    if tuple.len() != fields.len() {
+                        return Err(Reject);
+                    }
+                    for ((_, field), item) in fields.iter().zip(tuple.iter()) {
+                        self.write(field, &item, out)?;
+                    }
+                    return Ok(());
+                }
                 let dict = value.downcast_exact::<PyDict>().map_err(|_| Reject)?;
-                for (key, field) in &self.records[*id].fields {
+                for (key, field) in fields {
                     let item = dict
                         .get_item(key.bind(value.py()))
                         .map_err(|_| Reject)?

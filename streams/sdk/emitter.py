@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -48,6 +48,14 @@ _CHECKPOINT_S = 0.1  # the resolution of delivery timeouts (see _Emitter._expire
 _KEPT_BATCHES = 64  # batches an emitter remembers before it drops the finished ones
 _SPOOL_RETRY_S = 1.0  # pause before a spooled segment whose send failed is sent again
 _PLAN_KEY = PLAN_EVENTS_KEY.encode()  # every plan event's message key: the scheduler reads them as one ordered log
+# The fields of the records the hot paths build as tuples (AvroCodec.writer), in schema order; a test holds them to
+# the schemas.
+ENVELOPE_FIELDS = ("event_id", "session_id", "agent_id", "episode_id", "logical_event_id", "seq", "event_time",
+                   "policy_version", "trace_id", "attributes")  # fmt: skip
+DISPATCH_FIELDS = ("envelope", "step", "tool", "params_json", "deadline")
+TOOL_RESULT_FIELDS = ("envelope", "tool", "status", "output", "error", "latency_ms", "cost_usd", "tokens_in",
+                      "tokens_out", "retries")  # fmt: skip
+REWARD_FIELDS = ("envelope", "source", "name", "value", "confidence", "annotator", "evidence")
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +85,7 @@ class _Emitter:
         self._topics = {schema: catalog.for_schema(schema).name for schema in (*INPUT_SCHEMAS, *PLAN_INPUT_SCHEMAS)}
         self._attributes: dict[str, str] = {}  # attributes every event of this emitter carries (AgentStream's)
         self._codec = codec or AvroCodec()
+        self._writers: dict[str, Callable[[dict[str, Any]], bytes]] = {}  # schema -> the codec's writer (_encode)
         self._producer = producer
         self._owns_producer = producer is None
         self._producer_options = dict(producer_options or {})
@@ -435,7 +444,6 @@ class _Emitter:
 
     def _envelope(
         self,
-        *,
         event_id: str,
         session_id: str,
         episode_id: str,
@@ -445,6 +453,7 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> dict[str, Any]:
+        """An event's envelope; the hot paths pass its fields positionally (a keyword call costs more, per event)."""
         if event_time is not None and (problem := event_time_problem(event_time)) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
         return {
@@ -457,18 +466,34 @@ class _Emitter:
             "event_time": time.time_ns() // 1000 if event_time is None else int(event_time),  # now_micros(), inline
             "policy_version": self.policy_version,
             "trace_id": trace_id,
-            "attributes": (_attrs(attributes) if attributes else {})
-            if not self._attributes
-            else ({**self._attributes, **_attrs(attributes)} if attributes else dict(self._attributes)),
+            "attributes": self._event_attributes(attributes) if attributes or self._attributes else {},
         }
 
-    def _encode(self, schema: str, record: dict[str, Any]) -> bytes:
-        """Encode before anything is counted, so a bad value costs neither a seq nor a step."""
+    def _event_attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, str]:
+        """An event's attributes: this emitter's, and the call's (which win on a clash)."""
+        if not self._attributes:
+            return _attrs(attributes)
+        return {**self._attributes, **_attrs(attributes)} if attributes else dict(self._attributes)
+
+    @staticmethod
+    def _event_time(event_time: int) -> int:
+        """A given event_time, checked (the worker would dead-letter a bad one)."""
+        if (problem := event_time_problem(event_time)) is not None:
+            raise ValueError(problem)
+        return int(event_time)
+
+    def _encode(self, schema: str, record: dict[str, Any] | tuple[Any, ...]) -> bytes:
+        """Encode before anything is counted, so a bad value costs neither a seq nor a step. The hot paths (dispatch,
+        tool result, reward) give the record as a tuple of its field values in schema order (AvroCodec.writer)."""
         try:
-            value = self._codec.encode(schema, record)
+            try:
+                value = self._writers[schema](record)  # the codec's compiled writer, without AvroCodec.encode's call
+            except Exception:  # no compiled writer yet, or values it does not take: the codec's full path decides
+                value = self._codec.encode(schema, self._codec.record_of(schema, record))
+                self._writers[schema] = self._codec.writer(schema)
         except (ValueError, TypeError, KeyError, OverflowError) as exc:
             raise ValueError(f"cannot encode {schema.rsplit('.', 1)[-1]}: {exc}") from exc
-        if len(value) > MAX_NAME_CHARS and (problem := overlong_name_problem(record)) is not None:
+        if len(value) > MAX_NAME_CHARS and (problem := overlong_name_problem(self._codec.record_of(schema, record))):
             raise ValueError(problem)  # the worker would dead-letter it
         if len(value) > self._max_event_bytes:
             raise EventTooLargeError(
@@ -479,21 +504,31 @@ class _Emitter:
         return value
 
     def _send(
-        self, schema: str, record: dict[str, Any], value: bytes, key: bytes | None = None
+        self,
+        schema: str,
+        record: dict[str, Any] | tuple[Any, ...],
+        value: bytes,
+        key: bytes | None = None,
+        session_id: str | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         """Hand one encoded event to the producer (its partition's batch) and track its acknowledgement.
 
         Returns None once it is handed over, which is almost always; when the partition's batch is
         full, a coroutine the caller awaits (it waits for room, then hands the event over). No
-        coroutine per event on the hot path. The key is the event's session unless given (plan events).
+        coroutine per event on the hot path. The key is the event's session (`session_id`, else the record's
+        envelope's) unless given (plan events).
         """
         topic = self._topics[schema]
         if key is None:
-            session_id = record["envelope"]["session_id"]
-            if self._hashed[0] != session_id or not session_id:
+            if session_id is None:
+                whole = record if type(record) is dict else self._codec.record_of(schema, record)
+                session_id = whole["envelope"]["session_id"]
+            hashed = self._hashed
+            if hashed[0] != session_id or not session_id:
                 key = session_id.encode()
-                self._hashed = (session_id, key, key_hash(key))
-            _, key, hashed = self._hashed
+                hashed = self._hashed = (session_id, key, key_hash(key))
+            key = hashed[1]
+            hashed = hashed[2]
         else:
             hashed = key_hash(key)
         if self._spooling:
@@ -501,15 +536,18 @@ class _Emitter:
         # Kafka's default partitioning (Java, Faust, aiokafka agree), with the key's hash computed once per session.
         partition = hashed % self._partition_counts[topic]
         token = self._tokens
-        self._tokens += 1
-        assert self._batcher is not None
+        self._tokens = token + 1
         try:
-            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
+            batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)  # type: ignore[union-attr]
         except Exception as exc:
-            raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
+            raise ProducerError(exc, [FailedEvent(schema, topic, self._codec.record_of(schema, record), exc)]) from exc
         if batch is None:
             return self._send_when_room(schema, record, topic, partition, key, value, token)
-        self._track(token, value, batch)
+        # _track, inline: once per event
+        self._pending[token] = value
+        self._batches[batch] = None
+        if (now := time.monotonic()) >= self._next_checkpoint or not self._checkpoints:
+            self._checkpoint(now, token)
         return None
 
     def _track(self, token: int, value: bytes, batch: Batch) -> None:
@@ -528,7 +566,14 @@ class _Emitter:
             self._forget_above = max(_KEPT_BATCHES, 2 * len(self._batches))
 
     async def _send_when_room(
-        self, schema: str, record: dict[str, Any], topic: str, partition: int, key: bytes, value: bytes, token: int
+        self,
+        schema: str,
+        record: dict[str, Any] | tuple[Any, ...],
+        topic: str,
+        partition: int,
+        key: bytes,
+        value: bytes,
+        token: int,
     ) -> None:
         """The partition's batch is full and the producer has not taken it yet: wait, as aiokafka's send() does."""
         assert self._batcher is not None
@@ -548,7 +593,7 @@ class _Emitter:
                         return
                 batch = self._batcher.append(topic, partition, key, value, self._delivered_callback, token)
         except Exception as exc:
-            raise ProducerError(exc, [FailedEvent(schema, topic, record, exc)]) from exc
+            raise ProducerError(exc, [FailedEvent(schema, topic, self._codec.record_of(schema, record), exc)]) from exc
         self._track(token, value, batch)
 
     def _on_delivered(self, token: int, error: BaseException | None) -> None:
@@ -583,7 +628,6 @@ class _Emitter:
         self,
         target: StepRef | str,
         value: float,
-        *,
         source: str,
         name: str,
         confidence: float,
@@ -594,10 +638,10 @@ class _Emitter:
         trace_id: str | None,
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
-        event_id: str | None = None,
+        event_id: str | None,
     ) -> tuple[str, Coroutine[Any, Any, None] | None]:
         """Check, build, encode and hand over a RewardSignal: its event_id, and what to await when the partition's
-        batch was full (None almost always). Not a coroutine itself: one per reward fewer."""
+        batch was full (None almost always). Not a coroutine itself, and positional: once per reward."""
         self._ready_to_send()
         if event_id is not None and not (isinstance(event_id, str) and event_id):
             raise ValueError(f"event_id must be a non-empty string, not {event_id!r}")
@@ -613,24 +657,14 @@ class _Emitter:
         event_id = event_id or uuid7()
         if (problem := reward_problem(value := float(value), confidence := float(confidence))) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
-        record = {
-            "envelope": self._envelope(
-                event_id=event_id,
-                session_id=session_id,
-                episode_id=episode_id or "",
-                logical_event_id=logical_event_id,
-                seq=self._seq,
-                trace_id=trace_id or "",
-                attributes=attributes,
-                event_time=event_time,
-            ),
-            "source": source,
-            "name": name,
-            "value": value,
-            "confidence": confidence,
-            "annotator": _member(Annotator, _ANNOTATORS, annotator)._value_,  # not the `.value` descriptor
-            "evidence": evidence,
-        }
+        # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
+        envelope = (
+            event_id, session_id, self.agent_id, episode_id or "", logical_event_id, self._seq,
+            time.time_ns() // 1000 if event_time is None else self._event_time(event_time), self.policy_version,
+            trace_id or "", self._event_attributes(attributes) if attributes or self._attributes else {},
+        )  # fmt: skip
+        annotator = _member(Annotator, _ANNOTATORS, annotator)._value_  # not the `.value` descriptor
+        record = (envelope, source, name, value, confidence, annotator, evidence)  # REWARD_FIELDS
         encoded = self._encode(REWARD, record)
         self._seq += 1
-        return event_id, self._send(REWARD, record, encoded)
+        return event_id, self._send(REWARD, record, encoded, None, session_id)

@@ -72,20 +72,9 @@ class RewardEmitter(_Emitter):
         `event_id`: give one derived from what was judged (e.g. a uuid5) when the same reward may be emitted again,
         by a re-run or a retry: the step assembler ignores a duplicate event_id. Default: a fresh uuid7."""
         event_id, waiting = self._reward_event(
-            target,
-            value,
-            source=self.source,
-            name=name,
-            confidence=confidence,
-            annotator=annotator or self.annotator,
-            evidence=evidence,
-            session_id=session_id,
-            episode_id=episode_id,
-            trace_id=trace_id,
-            attributes=attributes,
-            event_time=event_time,
-            event_id=event_id,
-        )
+            target, value, self.source, name, confidence, annotator or self.annotator, evidence, session_id,
+            episode_id, trace_id, attributes, event_time, event_id,
+        )  # fmt: skip
         if waiting is not None:
             await waiting
         return event_id

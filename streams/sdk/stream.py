@@ -60,6 +60,7 @@ from streams.sdk.types import (
     _micros,
     _node,
     _params_json,
+    _step_ref,
     _text,
 )
 from topics.codec import AvroCodec
@@ -68,6 +69,8 @@ from topics.ids import now_micros, uuid7
 from topics.names import DISPATCH, LIFECYCLE, LLM_CALL, PLAN_SUBMITTED, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
 from topics.tool_schemas import InvalidParamsError, ToolSchemas
+
+_INFINITY = float("inf")
 
 
 class AgentStream(_Emitter):
@@ -139,41 +142,30 @@ class AgentStream(_Emitter):
         `deadline`: absolute datetime, timedelta from now, or UTC micros.
         """
         self._ready_to_send()
-        self.tool_schemas.validate(tool, params)
+        if (problem := self.tool_schemas.error(tool, params)) is not None:  # ToolSchemas.validate, a call fewer
+            raise InvalidParamsError(problem)
         try:
             params_json = _params_json(params)
         except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidParamsError(f"params of {tool} are not JSON-serializable: {exc}") from exc
         event_id = uuid7()
         trace = trace_id or event_id.replace("-", "")
-        envelope = self._envelope(
-            event_id=event_id,
-            session_id=self.session_id,
-            episode_id=self.episode_id,
-            logical_event_id=event_id,
-            seq=self._seq,
-            trace_id=trace,
-            attributes=attributes,
-            event_time=event_time,
-        )
-        step = self._step
-        record = {
-            "envelope": envelope,
-            "step": step,
-            "tool": tool,
-            "params_json": params_json,
-            "deadline": _micros(deadline),
-        }
+        session_id, episode_id, step = self.session_id, self.episode_id, self._step
+        at = time.time_ns() // 1000 if event_time is None else self._event_time(event_time)
+        # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
+        envelope = (
+            event_id, session_id, self.agent_id, episode_id, event_id, self._seq, at, self.policy_version, trace,
+            self._event_attributes(attributes) if attributes or self._attributes else {},
+        )  # fmt: skip
+        record = (envelope, step, tool, params_json, _micros(deadline))  # DISPATCH_FIELDS
         encoded = self._encode(DISPATCH, record)
         # No await between reading the counters and advancing them: concurrent dispatches never share a step.
         self._step += 1
         self._episode_steps += 1
         self._seq += 1
-        if (waiting := self._send(DISPATCH, record, encoded)) is not None:
+        if (waiting := self._send(DISPATCH, record, encoded, None, session_id)) is not None:
             await waiting
-        # positional: a frozen dataclass's keyword call costs a third more, once per step
-        session_id, episode_id, dispatched_at = envelope["session_id"], envelope["episode_id"], envelope["event_time"]
-        return StepRef(event_id, trace, step, session_id, episode_id, tool, dispatched_at)
+        return _step_ref(event_id, trace, step, session_id, episode_id, tool, at)
 
     def tool_call(self, step: StepRef) -> _AsyncToolCallContext:
         """Measure a tool call and emit its ToolResult on exit (OK, ERROR on exception, TIMEOUT on TimeoutError).
@@ -201,18 +193,9 @@ class AgentStream(_Emitter):
         """Record a tool's outcome explicitly; latency defaults to the time since the dispatch. Returns its event_id."""
         self._ready_to_send()
         event_id, waiting = self._tool_result_event(
-            step,
-            _member(ToolStatus, _TOOL_STATUSES, status),
-            output=output,
-            error=error,
-            latency_ms=latency_ms,
-            cost_usd=cost_usd,
-            tokens_in=tokens_in,
-            tokens_out=tokens_out,
-            retries=retries,
-            attributes=attributes,
-            event_time=event_time,
-        )
+            step, _member(ToolStatus, _TOOL_STATUSES, status), output, error, latency_ms, cost_usd, tokens_in,
+            tokens_out, retries, attributes, event_time,
+        )  # fmt: skip
         if waiting is not None:
             await waiting
         return event_id
@@ -221,7 +204,6 @@ class AgentStream(_Emitter):
         self,
         step: StepRef,
         status: ToolStatus,
-        *,
         output: Any,
         error: str | None,
         latency_ms: float | None,
@@ -233,56 +215,62 @@ class AgentStream(_Emitter):
         event_time: int | None,
     ) -> tuple[str, Coroutine[Any, Any, None] | None]:
         """Check, build, encode and hand over a ToolResult: its event_id, and what to await when the partition's
-        batch was full (None almost always). Not a coroutine itself: one per tool result fewer."""
+        batch was full (None almost always). Not a coroutine itself, and positional: once per tool result."""
         if latency_ms is None:
             latency_ms = max(0.0, (now_micros() - step.dispatched_at) / 1000.0) if step.dispatched_at else 0.0
-        if (problem := latency_problem(latency_ms := float(latency_ms))) is not None:
+        if not 0.0 <= (latency_ms := float(latency_ms)) < _INFINITY and (problem := latency_problem(latency_ms)):
             raise ValueError(problem)
         event_id = uuid7()
-        record = {
-            "envelope": self._step_envelope(step, event_id, attributes, event_time),
-            "tool": step.tool,
-            "status": status._value_,  # `.value` is a descriptor call, once per event
-            "output": _text(output),
-            "error": error,
-            "latency_ms": latency_ms,
-            "cost_usd": float(cost_usd),
-            "tokens_in": int(tokens_in),
-            "tokens_out": int(tokens_out),
-            "retries": int(retries),
-        }
+        session_id = step.session_id
+        # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
+        envelope = (
+            event_id, session_id, self.agent_id, step.episode_id, step.logical_event_id, self._seq,
+            time.time_ns() // 1000 if event_time is None else self._event_time(event_time), self.policy_version,
+            step.trace_id, self._event_attributes(attributes) if attributes or self._attributes else {},
+        )  # fmt: skip
+        # TOOL_RESULT_FIELDS; `status._value_`: `.value` is a descriptor call, once per event
+        record = (
+            envelope, step.tool, status._value_, output if type(output) is str else _text(output), error, latency_ms,
+            float(cost_usd), int(tokens_in), int(tokens_out), int(retries),
+        )  # fmt: skip
         encoded = self._encode(TOOL_RESULT, record)
         self._seq += 1
-        return event_id, self._send(TOOL_RESULT, record, encoded)
+        return event_id, self._send(TOOL_RESULT, record, encoded, None, session_id)
 
     async def _emit_tool_call(self, call: ToolCall, in_flight: BaseException | None) -> None:
-        """Emit a finished ToolCall. While the tool's own exception is `in_flight`, a failure here must not
-        replace it: an undelivered event is kept for the next call / flush, anything else becomes a note on it."""
+        """Emit a finished ToolCall (`_tool_call_result`, awaited)."""
+        if (waiting := self._tool_call_result(call, in_flight)) is not None:
+            await waiting
+
+    def _tool_call_result(self, call: ToolCall, in_flight: BaseException | None) -> Coroutine[Any, Any, None] | None:
+        """Emit a finished ToolCall; what to await when the partition's batch was full (None almost always). While
+        the tool's own exception is `in_flight`, a failure here must not replace it: an undelivered event is kept
+        for the next call / flush, anything else becomes a note on it."""
         if in_flight is None:
             self._ready_to_send()
         assert call.status is not None
         try:
             _, waiting = self._tool_result_event(
-                call.step,
-                _member(ToolStatus, _TOOL_STATUSES, call.status),
-                output=call.output,
-                error=call.error,
-                latency_ms=call.latency_ms,
-                cost_usd=call.cost_usd,
-                tokens_in=call.tokens_in,
-                tokens_out=call.tokens_out,
-                retries=call.retries,
-                attributes=call.attributes,
-                event_time=None,
-            )
-            if waiting is not None:
-                await waiting
+                call.step, _member(ToolStatus, _TOOL_STATUSES, call.status), call.output, call.error,
+                call.latency_ms, call.cost_usd, call.tokens_in, call.tokens_out, call.retries, call.attributes, None,
+            )  # fmt: skip
         except Exception as exc:
-            if in_flight is None:
-                raise
-            if isinstance(exc, ProducerError):
-                self._failures.extend(exc.failed)
-            in_flight.add_note(f"treadle could not record this tool call's result: {exc!r}")
+            self._keep_tool_call_failure(exc, in_flight)
+            return None
+        return None if waiting is None else self._await_tool_call(waiting, in_flight)
+
+    async def _await_tool_call(self, waiting: Coroutine[Any, Any, None], in_flight: BaseException | None) -> None:
+        try:
+            await waiting
+        except Exception as exc:
+            self._keep_tool_call_failure(exc, in_flight)
+
+    def _keep_tool_call_failure(self, exc: Exception, in_flight: BaseException | None) -> None:
+        if in_flight is None:
+            raise exc
+        if isinstance(exc, ProducerError):
+            self._failures.extend(exc.failed)
+        in_flight.add_note(f"treadle could not record this tool call's result: {exc!r}")
 
     async def reward(
         self,
@@ -308,20 +296,9 @@ class AgentStream(_Emitter):
             session_id = session_id or self.session_id
             episode_id = self.episode_id if episode_id is None and session_id == self.session_id else episode_id
         event_id, waiting = self._reward_event(
-            target,
-            value,
-            source=source,
-            name=name,
-            confidence=confidence,
-            annotator=annotator,
-            evidence=evidence,
-            session_id=session_id,
-            episode_id=episode_id,
-            trace_id=None,
-            attributes=attributes,
-            event_time=event_time,
-            event_id=event_id,
-        )
+            target, value, source, name, confidence, annotator, evidence, session_id, episode_id, None, attributes,
+            event_time, event_id,
+        )  # fmt: skip
         if waiting is not None:
             await waiting
         return event_id
@@ -511,15 +488,9 @@ class AgentStream(_Emitter):
     ) -> dict[str, Any]:
         """The envelope of an event about a dispatched step (a tool result, an LLM call): its ids and the next seq."""
         return self._envelope(
-            event_id=event_id,
-            session_id=step.session_id,
-            episode_id=step.episode_id,
-            logical_event_id=step.logical_event_id,
-            seq=self._seq,
-            trace_id=step.trace_id,
-            attributes=attributes,
-            event_time=event_time,
-        )
+            event_id, step.session_id, step.episode_id, step.logical_event_id, self._seq, step.trace_id, attributes,
+            event_time,
+        )  # fmt: skip
 
     async def _llm_call(
         self,
@@ -639,5 +610,6 @@ class _AsyncToolCallContext:
         if exc is not None and not isinstance(exc, Exception | asyncio.CancelledError):
             return False  # KeyboardInterrupt / SystemExit: the process is going down
         self._call._finish(exc)
-        await self._stream._emit_tool_call(self._call, exc)
+        if (waiting := self._stream._tool_call_result(self._call, exc)) is not None:
+            await waiting
         return False
