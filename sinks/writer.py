@@ -188,11 +188,9 @@ class ClickHouseSink:
         if table is None or not records or not isinstance(expect, str):
             return None
         container = self._containers.get(table)
-        header = container.header if container is not None and container.schema.name == expect else None
-        if header is None:
-            if container is not None:
-                return None
-            header = self._header(expect)
+        if container is not None and container.schema.name != expect:
+            return None
+        header = self._header(expect) if container is None else container.header
         values = [record.value for record in records]
         try:
             if not all(map(methodcaller("startswith", header), values)):

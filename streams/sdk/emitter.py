@@ -453,34 +453,40 @@ class _Emitter:
         attributes: Mapping[str, Any] | None,
         event_time: int | None,
     ) -> dict[str, Any]:
-        """An event's envelope; the hot paths pass its fields positionally (a keyword call costs more, per event)."""
-        if event_time is not None and (problem := event_time_problem(event_time)) is not None:
+        """An event's envelope as a dict (`_envelope_values`, named)."""
+        values = self._envelope_values(
+            event_id, session_id, episode_id, logical_event_id, seq, trace_id, attributes, event_time
+        )
+        return dict(zip(ENVELOPE_FIELDS, values, strict=True))
+
+    def _envelope_values(
+        self,
+        event_id: str,
+        session_id: str,
+        episode_id: str,
+        logical_event_id: str,
+        seq: int,
+        trace_id: str,
+        attributes: Mapping[str, Any] | None,
+        event_time: int | None,
+    ) -> tuple[Any, ...]:
+        """An event's envelope as a tuple of its fields in schema order (ENVELOPE_FIELDS), as the hot paths encode it
+        (AvroCodec.writer); positional, a keyword call costs more per event."""
+        if event_time is None:
+            at = time.time_ns() // 1000  # now_micros(), inline
+        elif (problem := event_time_problem(event_time)) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
-        return {
-            "event_id": event_id,
-            "session_id": session_id,
-            "agent_id": self.agent_id,
-            "episode_id": episode_id,
-            "logical_event_id": logical_event_id,
-            "seq": seq,
-            "event_time": time.time_ns() // 1000 if event_time is None else int(event_time),  # now_micros(), inline
-            "policy_version": self.policy_version,
-            "trace_id": trace_id,
-            "attributes": self._event_attributes(attributes) if attributes or self._attributes else {},
-        }
+        else:
+            at = int(event_time)
+        attributes = self._event_attributes(attributes) if attributes or self._attributes else {}
+        return (event_id, session_id, self.agent_id, episode_id, logical_event_id, seq, at, self.policy_version,
+                trace_id, attributes)  # fmt: skip
 
     def _event_attributes(self, attributes: Mapping[str, Any] | None) -> dict[str, str]:
         """An event's attributes: this emitter's, and the call's (which win on a clash)."""
         if not self._attributes:
             return _attrs(attributes)
         return {**self._attributes, **_attrs(attributes)} if attributes else dict(self._attributes)
-
-    @staticmethod
-    def _event_time(event_time: int) -> int:
-        """A given event_time, checked (the worker would dead-letter a bad one)."""
-        if (problem := event_time_problem(event_time)) is not None:
-            raise ValueError(problem)
-        return int(event_time)
 
     def _encode(self, schema: str, record: dict[str, Any] | tuple[Any, ...]) -> bytes:
         """Encode before anything is counted, so a bad value costs neither a seq nor a step. The hot paths (dispatch,
@@ -658,11 +664,9 @@ class _Emitter:
         if (problem := reward_problem(value := float(value), confidence := float(confidence))) is not None:
             raise ValueError(problem)  # the worker would dead-letter it
         # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
-        envelope = (
-            event_id, session_id, self.agent_id, episode_id or "", logical_event_id, self._seq,
-            time.time_ns() // 1000 if event_time is None else self._event_time(event_time), self.policy_version,
-            trace_id or "", self._event_attributes(attributes) if attributes or self._attributes else {},
-        )  # fmt: skip
+        envelope = self._envelope_values(
+            event_id, session_id, episode_id or "", logical_event_id, self._seq, trace_id or "", attributes, event_time
+        )
         annotator = _member(Annotator, _ANNOTATORS, annotator)._value_  # not the `.value` descriptor
         record = (envelope, source, name, value, confidence, annotator, evidence)  # REWARD_FIELDS
         encoded = self._encode(REWARD, record)

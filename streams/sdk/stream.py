@@ -151,12 +151,10 @@ class AgentStream(_Emitter):
         event_id = uuid7()
         trace = trace_id or event_id.replace("-", "")
         session_id, episode_id, step = self.session_id, self.episode_id, self._step
-        at = time.time_ns() // 1000 if event_time is None else self._event_time(event_time)
         # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
-        envelope = (
-            event_id, session_id, self.agent_id, episode_id, event_id, self._seq, at, self.policy_version, trace,
-            self._event_attributes(attributes) if attributes or self._attributes else {},
-        )  # fmt: skip
+        envelope = self._envelope_values(event_id, session_id, episode_id, event_id, self._seq, trace, attributes,
+                                         event_time)  # fmt: skip
+        at = envelope[6]  # event_time
         record = (envelope, step, tool, params_json, _micros(deadline))  # DISPATCH_FIELDS
         encoded = self._encode(DISPATCH, record)
         # No await between reading the counters and advancing them: concurrent dispatches never share a step.
@@ -223,11 +221,8 @@ class AgentStream(_Emitter):
         event_id = uuid7()
         session_id = step.session_id
         # the record as a tuple of its fields in schema order, the envelope too (ENVELOPE_FIELDS): no dicts per event
-        envelope = (
-            event_id, session_id, self.agent_id, step.episode_id, step.logical_event_id, self._seq,
-            time.time_ns() // 1000 if event_time is None else self._event_time(event_time), self.policy_version,
-            step.trace_id, self._event_attributes(attributes) if attributes or self._attributes else {},
-        )  # fmt: skip
+        envelope = self._envelope_values(event_id, session_id, step.episode_id, step.logical_event_id, self._seq,
+                                         step.trace_id, attributes, event_time)  # fmt: skip
         # TOOL_RESULT_FIELDS; `status._value_`: `.value` is a descriptor call, once per event
         record = (
             envelope, step.tool, status._value_, output if type(output) is str else _text(output), error, latency_ms,
