@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -61,7 +62,11 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> list[Sample]:
     await prepare_cluster(settings)
     catalog, codec = TopicCatalog(settings), AvroCodec()
     topics = {schema: catalog[name].name for schema, name in KINDS.items()}
-    worker = BenchWorker(settings, pin=False).start()
+    env, argv = None, None
+    if args.trace_memory is not None:  # what the RSS growth is made of (bench.traced_worker)
+        env = {"TREADLE_TRACE_OUT": str(args.trace_memory.resolve())}
+        argv = [sys.executable, "-m", "bench.traced_worker"]
+    worker = BenchWorker(settings, pin=False, argv=argv, env=env).start()
     samples: list[Sample] = []
     try:
         await asyncio.to_thread(worker.wait_ready, 180)
@@ -122,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=500, help="sessions the steps spread over (500)")
     parser.add_argument("--working-set", type=int, default=64, help="steps' nodes a session keeps updating (64)")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless every event's StateVersion came out")
+    parser.add_argument(
+        "--trace-memory",
+        type=Path,
+        default=None,
+        help="run the worker under tracemalloc (bench.traced_worker) and write its heap growth here",
+    )
     args = parser.parse_args(argv)
     print(machine_facts())
     print(f"state soak: {args.rate:,.0f} deltas/s ({3 * args.rate:,.0f} events/s) for {args.minutes:g} min over "
