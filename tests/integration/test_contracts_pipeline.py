@@ -131,7 +131,9 @@ def test_violations_land_with_clause_and_values_a_veto_and_provenance(deployment
 
         # Provenance of step0, then its dispatch tampered with in raw_events.
         step0 = f"{session}-step0"
-        wait_for(lambda: runner.invoke(app, ["provenance", step0, "--json"], env=env).exit_code == 0, 60, "evidence")
+        # Waits for --verify, not only the evidence: one sink flush may insert the evidence before the raw events.
+        wait_for(lambda: runner.invoke(app, ["provenance", step0, "--verify"], env=env).exit_code == 0, 60,
+                 "evidence and its raw events")  # fmt: skip
         shown = runner.invoke(app, ["provenance", step0, "--verify", "--json"], env=env)
         assert shown.exit_code == 0, shown.output
         evidence = json.loads(shown.stdout)
