@@ -76,9 +76,12 @@ class FoldConfig:
     max_value_bytes: int = 900_000
 
 
-@dataclass(frozen=True, slots=True)
+# NodeRec and EdgeRec are never changed once made, but not frozen=True: a frozen dataclass's __init__ sets each field
+# through object.__setattr__ (~1.8 us for a NodeRec against ~1.2), and the fold makes one per changed node and edge.
+# unsafe_hash keeps the field-wise hash frozen gave them.
+@dataclass(slots=True, unsafe_hash=True)
 class NodeRec:
-    """A live node and the interval it opened (from_ordinal, valid_from)."""
+    """A live node and the interval it opened (from_ordinal, valid_from); treat as immutable."""
 
     type: str
     data_json: str
@@ -105,7 +108,7 @@ class NodeRec:
         return cls(**d)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class EdgeRec:
     data_json: str
     from_ordinal: int
