@@ -154,32 +154,27 @@ class TableGraphStore:
                 self.writes[key] = None
         self._dropped = {}
         writes, self.writes = self.writes, {}
-        for key, value in writes.items():
-            self._cache[key] = value
-            if value is None:
-                await table_writes.delete_in_partition(self.table, key, self.partition, ctx)
-            else:
-                await table_writes.put_in_partition(self.table, key, _encode(value), self.partition, ctx)
-        return written + len(writes)
+        self._cache.update(writes)
+        items = [(key, None if value is None else _encode(value)) for key, value in writes.items()]
+        return written + await table_writes.write_in_partition(self.table, items, self.partition, ctx)
 
     async def _write_versions(self, ctx: ProcessingContext) -> int:
         """The staged versions of each session as one key (several when large), after dropping the keys a
         commit lost in a crash left at or after their first ordinal."""
         written = 0
+        items: list[tuple[bytes, bytes | None]] = []
         for session, staged in self._new_versions.items():
             chunk = [staged[o] for o in sorted(staged)]
             self._committing.setdefault(session, chunk[0]["ordinal"])
             pieces = _pieces(chunk)
             keys = {version_key(session, piece[0]["ordinal"]) for piece, _ in pieces}
-            for stale in self._keys_from(session, chunk[0]["ordinal"]):
-                if stale not in keys:
-                    await table_writes.delete_in_partition(self.table, stale, self.partition, ctx)
+            items += [(stale, None) for stale in self._keys_from(session, chunk[0]["ordinal"]) if stale not in keys]
             for piece, value in pieces:
-                key = version_key(session, piece[0]["ordinal"])
-                await table_writes.put_in_partition(self.table, key, value, self.partition, ctx)
+                items.append((version_key(session, piece[0]["ordinal"]), value))
                 self._chunks.setdefault(session, []).append(piece)
                 written += 1
         self._new_versions = {}
+        await table_writes.write_in_partition(self.table, items, self.partition, ctx)
         return written
 
     def _keys_from(self, session: str, ordinal: int) -> list[bytes]:
@@ -221,7 +216,11 @@ def _pieces(chunk: list[dict[str, Any]], limit: int = _PIECE_BYTES) -> list[tupl
 
 
 def _encode(value: Any) -> bytes:
-    return orjson.dumps(value)  # NodeRec and EdgeRec too: orjson writes a dataclass as to_dict() would
+    """A table value as orjson bytes. NodeRec and EdgeRec go through to_dict(): the same bytes orjson writes for the
+    dataclass, in about half the time (orjson reads a slotted dataclass field by field: ~1.5 us against ~0.9)."""
+    if isinstance(value, (NodeRec, EdgeRec)):
+        return orjson.dumps(value.to_dict())
+    return orjson.dumps(value)
 
 
 def session_keys(table: Any, partition: int, session: str) -> list[bytes]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import faust
+from rocksdict import WriteBatch
 
 from streams.runtime.processor import InputEvent, ProcessingContext
 from streams.runtime.rocksdb_memory import MIB, RocksDBMemory
@@ -90,6 +91,28 @@ async def put_in_partition(table: Any, key: bytes, value: bytes, partition: int,
     """table[key] = value in `partition` (a write-out of held-back steps, a timer, an expiry index entry)."""
     _db(table, partition).put(key, value)
     await ctx.send(table.changelog_topic.get_topic_name(), key, value, partition=partition)
+
+
+async def write_in_partition(
+    table: Any, items: Iterable[tuple[bytes, bytes | None]], partition: int, ctx: ProcessingContext
+) -> int:
+    """put_in_partition / delete_in_partition (value None) of many keys: one RocksDB write batch, then their changelog
+    records in the same order. A commit writes a dozen keys per step; a put each was ~10% of the state worker.
+    Returns how many keys."""
+    written = list(items)
+    if not written:
+        return 0
+    batch = WriteBatch(raw_mode=True)
+    for key, value in written:
+        if value is None:
+            batch.delete(key)
+        else:
+            batch.put(key, value)
+    _db(table, partition).write(batch)
+    topic = table.changelog_topic.get_topic_name()
+    for key, value in written:
+        await ctx.send(topic, key, value, partition=partition)
+    return len(written)
 
 
 async def delete_in_partition(table: Any, key: bytes, partition: int, ctx: ProcessingContext) -> None:
