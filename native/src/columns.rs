@@ -10,7 +10,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyList};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -642,6 +642,9 @@ pub struct NativeBlockWriter {
     /// The last block's column buffers, cleared and filled again by the next one: fresh multi-megabyte buffers per
     /// block cost more in page faults than reading the records does.
     spare: Mutex<Option<Vec<Column>>>,
+    /// The last block handed out, written over by the next one once nothing else holds it (its caller has dropped
+    /// it): a fresh multi-megabyte `bytes` per block cost the insert after it more than the copy into it.
+    out: Mutex<Option<Py<PyByteArray>>>,
 }
 
 impl NativeBlockWriter {
@@ -859,16 +862,19 @@ impl NativeBlockWriter {
             steps,
             columns: typed,
             spare: Mutex::new(None),
+            out: Mutex::new(None),
         })
     }
 
-    /// One Native block (FORMAT Native) of every value in `values` (a list of bytes), in order; Refused when one
-    /// is not a well-formed record of the schema or a value does not fit its column (the caller takes the Python way).
+    /// One Native block (FORMAT Native) of every value in `values` (a list of bytes), in order, as a bytearray: the
+    /// previous call's, written over, when its caller no longer holds it (a block still referenced is never changed).
+    /// Refused when a value is not a well-formed record of the schema or does not fit its column (the caller takes
+    /// the Python way).
     fn block<'py>(
         &self,
         py: Python<'py>,
         values: &Bound<'py, PyList>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<Bound<'py, PyByteArray>> {
         let rows = values.len();
         let mut records = Vec::with_capacity(rows);
         for value in values.iter() {
@@ -911,18 +917,35 @@ impl NativeBlockWriter {
             }
         }
         let size = parts.iter().map(|p| p.len()).sum();
-        let block = PyBytes::new_with(py, size, |buf| {
-            let mut at = 0;
-            for part in &parts {
-                buf[at..at + part.len()].copy_from_slice(part);
-                at += part.len();
+        let mut held = self.out.try_lock().ok();
+        let reusable = held
+            .as_mut()
+            .and_then(|held| held.take())
+            .map(|out| out.into_bound(py))
+            .filter(|out| out.get_refcnt() == 1); // only this writer holds it: nobody can see it change
+        let block = match reusable {
+            Some(out) => {
+                out.resize(size)?;
+                out
             }
-            Ok(())
-        });
+            None => PyByteArray::new_with(py, size, |_| Ok(()))?,
+        };
+        // SAFETY: the bytearray is this writer's alone (new, or held by nothing else), the GIL is held, and
+        // nothing runs Python code while its bytes are borrowed here.
+        let buf = unsafe { block.as_bytes_mut() };
+        let mut at = 0;
+        for part in &parts {
+            buf[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
         drop(parts);
+        if let Some(held) = held.as_mut() {
+            **held = Some(block.clone().unbind());
+        }
+        drop(held);
         if let Ok(mut held) = self.spare.try_lock() {
             *held = Some(cols);
         }
-        block
+        Ok(block)
     }
 }

@@ -208,3 +208,14 @@ def test_a_low_cardinality_value_that_is_not_utf8_is_refused_after_valid_ones() 
     bad = PREFIX + long(1) + long(2) + b"\xc3\x28" + long(0)
     with pytest.raises(treadle_native.Refused):
         treadle_native.NativeBlockWriter(json.dumps(LC_SCHEMA), LC_COLUMNS, PREFIX).block([good, good, bad])
+
+
+def test_a_block_still_held_is_not_written_over_by_the_next() -> None:
+    w = writer()
+    first = w.block([record("hi", 1, 0, [(1.0, 2)])])
+    kept = bytes(first)
+    second = w.block([record("other", None, 1, [])])
+    assert first == kept
+    assert second == writer().block([record("other", None, 1, [])])
+    del first, second  # nothing holds them: the writer reuses its buffer
+    assert w.block([record("hi", 1, 0, [(1.0, 2)])]) == kept
