@@ -295,7 +295,7 @@ class ClickHouseStore:
     async def insert_formatted(
         self,
         table: str,
-        data: bytes,
+        data: bytes | bytearray,
         column_names: Sequence[str],
         fmt: str,
         settings: Mapping[str, Any] | None = None,

@@ -512,8 +512,19 @@ impl RecordCodec {
     }
 }
 
-#[inline]
+#[inline(always)]
 pub(crate) fn read_long(data: &[u8], pos: &mut usize) -> R<i64> {
+    // One byte (a small number, a union branch, a short string's length): most longs read, without the loop.
+    if let Some(&byte) = data.get(*pos) {
+        if byte < 0x80 {
+            *pos += 1;
+            return Ok(((byte >> 1) as i64) ^ -((byte & 1) as i64));
+        }
+    }
+    read_long_loop(data, pos)
+}
+
+fn read_long_loop(data: &[u8], pos: &mut usize) -> R<i64> {
     let mut n: u64 = 0;
     let mut shift = 0;
     loop {

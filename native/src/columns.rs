@@ -10,7 +10,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyByteArray, PyBytes, PyList};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -64,7 +64,8 @@ struct Column {
     data: Vec<u8>,
     items: u64,
     lc: bool,
-    lc_body: Vec<u8>, // a LowCardinality column's data, made from `data` once every record is read
+    dict: Dictionary, // a LowCardinality column's keys and indexes, filled as the records are read (not `data`)
+    lc_body: Vec<u8>, // a LowCardinality column's data, made from `dict` once every record is read
 }
 
 /// What to do with one field of a record as it is read.
@@ -309,66 +310,88 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
-/// The LowCardinality body of `count` strings serialized in `data` (varuint length + bytes each), null where
-/// `nulls` says so; empty when there are no values (as ClickHouse writes it).
-fn low_cardinality(data: &[u8], nulls: &[u8], nullable: bool, count: usize, out: &mut Vec<u8>) {
-    out.clear();
-    if count == 0 {
-        return;
+/// A LowCardinality column's dictionary, made while the records are read: each value is looked up by its raw bytes
+/// as it is read (no copy into `data` and no second pass), and only a value not seen before in this block is
+/// checked for UTF-8 (a value equal to a checked key is valid too). Keys in order of first appearance, after the
+/// default string (and the null placeholder before it, when nullable), as ClickHouse writes them.
+#[derive(Default)]
+struct Dictionary {
+    known: HashMap<Box<[u8]>, u32, std::hash::BuildHasherDefault<KeyHasher>>,
+    keys: Vec<u8>, // every key serialized (varuint length + bytes), in index order
+    len: u32,
+    default: u32, // the empty string's index
+    indexes: Vec<u32>,
+}
+
+impl Dictionary {
+    fn reset(&mut self, nullable: bool) {
+        self.known.clear();
+        self.keys.clear();
+        self.indexes.clear();
+        self.len = if nullable { 2 } else { 1 };
+        self.default = self.len - 1;
+        self.keys.extend_from_slice(&[0u8; 2][..self.len as usize]); // empty strings: varuint 0
     }
-    let empty: &[u8] = b"";
-    let mut keys: Vec<&[u8]> = if nullable {
-        vec![empty, empty]
-    } else {
-        vec![empty]
-    };
-    let default_at = keys.len() as u64 - 1;
-    let mut known: HashMap<&[u8], u64, std::hash::BuildHasherDefault<KeyHasher>> =
-        HashMap::default();
-    let mut indexes: Vec<u64> = Vec::with_capacity(count);
-    let mut pos = 0;
-    for i in 0..count {
-        let mut len = 0u64;
-        let mut shift = 0;
-        loop {
-            let byte = data[pos];
-            pos += 1;
-            len |= ((byte & 0x7F) as u64) << shift;
-            if byte < 0x80 {
-                break;
-            }
-            shift += 7;
-        }
-        let s = &data[pos..pos + len as usize];
-        pos += len as usize;
-        indexes.push(if nullable && nulls[i] == 1 {
-            0
-        } else if s.is_empty() {
-            default_at
+
+    #[inline]
+    fn push_null(&mut self) {
+        self.indexes.push(0);
+    }
+
+    /// A value's index; `utf8`: check a new key for UTF-8 (Avro strings), Refused when it is not.
+    #[inline]
+    fn push(&mut self, value: &[u8], utf8: bool) -> R<()> {
+        let index = if value.is_empty() {
+            self.default
+        } else if let Some(&index) = self.known.get(value) {
+            index
         } else {
-            *known.entry(s).or_insert_with(|| {
-                keys.push(s);
-                keys.len() as u64 - 1
-            })
-        });
+            if utf8 && !self::utf8(value) {
+                return Err(Reject);
+            }
+            let index = self.len;
+            self.len += 1;
+            write_varuint(&mut self.keys, value.len() as u64);
+            self.keys.extend_from_slice(value);
+            self.known.insert(value.into(), index);
+            index
+        };
+        self.indexes.push(index);
+        Ok(())
     }
-    let (index_type, width) = match keys.len() {
-        0..=0x100 => (0u64, 1),
-        0x101..=0x1_0000 => (1, 2),
-        _ => (2, 4),
-    };
-    out.reserve(data.len() + count * width + 32);
-    out.extend_from_slice(
-        &(index_type | LC_HAS_ADDITIONAL_KEYS | LC_NEED_UPDATE_DICTIONARY).to_le_bytes(),
-    );
-    out.extend_from_slice(&(keys.len() as u64).to_le_bytes());
-    for key in &keys {
-        write_varuint(out, key.len() as u64);
-        out.extend_from_slice(key);
-    }
-    out.extend_from_slice(&(count as u64).to_le_bytes());
-    for index in indexes {
-        out.extend_from_slice(&index.to_le_bytes()[..width]);
+
+    /// The LowCardinality body (empty when there are no values, as ClickHouse writes it).
+    fn body(&self, out: &mut Vec<u8>) {
+        out.clear();
+        let count = self.indexes.len();
+        if count == 0 {
+            return;
+        }
+        let (index_type, width) = match self.len {
+            0..=0x100 => (0u64, 1),
+            0x101..=0x1_0000 => (1, 2),
+            _ => (2, 4),
+        };
+        out.reserve(self.keys.len() + count * width + 32);
+        out.extend_from_slice(
+            &(index_type | LC_HAS_ADDITIONAL_KEYS | LC_NEED_UPDATE_DICTIONARY).to_le_bytes(),
+        );
+        out.extend_from_slice(&(self.len as u64).to_le_bytes());
+        out.extend_from_slice(&self.keys);
+        out.extend_from_slice(&(count as u64).to_le_bytes());
+        match width {
+            1 => out.extend(self.indexes.iter().map(|&i| i as u8)),
+            2 => {
+                for &i in &self.indexes {
+                    out.extend_from_slice(&(i as u16).to_le_bytes());
+                }
+            }
+            _ => {
+                for &i in &self.indexes {
+                    out.extend_from_slice(&i.to_le_bytes());
+                }
+            }
+        }
     }
 }
 
@@ -504,13 +527,20 @@ fn put_default(out: &mut Vec<u8>, scalar: Scalar) {
     out.extend_from_slice(&[0u8; 8][..width]);
 }
 
+/// Whether `raw` is UTF-8, as str::from_utf8 says; ASCII (nearly every id and name) checked inline first.
+#[inline(always)]
+fn utf8(raw: &[u8]) -> bool {
+    raw.is_ascii() || std::str::from_utf8(raw).is_ok()
+}
+
 /// Reads one non-union value into a column's data.
+#[inline(always)]
 fn put(node: &Avro, scalar: Scalar, data: &[u8], pos: &mut usize, out: &mut Vec<u8>) -> R<()> {
     match node {
         Avro::Str | Avro::Bytes => {
             let raw = read_span(data, pos)?;
-            if matches!(node, Avro::Str) {
-                std::str::from_utf8(raw).map_err(|_| Reject)?;
+            if matches!(node, Avro::Str) && !utf8(raw) {
+                return Err(Reject);
             }
             write_varuint(out, raw.len() as u64);
             out.extend_from_slice(raw);
@@ -552,8 +582,11 @@ fn put(node: &Avro, scalar: Scalar, data: &[u8], pos: &mut usize, out: &mut Vec<
 }
 
 /// Reads one value (a union or not) into a column (its element, for an array column).
-#[inline]
+#[inline(always)]
 fn put_value(col: &mut Column, node: &Avro, data: &[u8], pos: &mut usize) -> R<()> {
+    if col.lc {
+        return put_key(&mut col.dict, node, data, pos);
+    }
     match node {
         Avro::Nullable { null_first, inner } => {
             if is_null(data, pos, *null_first)? {
@@ -574,6 +607,32 @@ fn put_value(col: &mut Column, node: &Avro, data: &[u8], pos: &mut usize) -> R<(
     }
 }
 
+/// Reads one string value (a union or not) into a LowCardinality column's dictionary.
+fn put_key(dict: &mut Dictionary, node: &Avro, data: &[u8], pos: &mut usize) -> R<()> {
+    let node = match node {
+        Avro::Nullable { null_first, inner } => {
+            if is_null(data, pos, *null_first)? {
+                dict.push_null();
+                return Ok(());
+            }
+            inner.as_ref()
+        }
+        other => other,
+    };
+    match node {
+        Avro::Str => dict.push(read_span(data, pos)?, true),
+        Avro::Bytes => dict.push(read_span(data, pos)?, false),
+        Avro::Enum(symbols) => {
+            let i = read_long(data, pos)?;
+            let symbol = symbols
+                .get(usize::try_from(i).map_err(|_| Reject)?)
+                .ok_or(Reject)?;
+            dict.push(symbol.as_bytes(), false)
+        }
+        _ => Err(Reject),
+    }
+}
+
 /// One table's transcoder: the single-object-encoded records of one writer schema -> a Native block of the columns.
 #[pyclass(frozen, module = "treadle_native")]
 pub struct NativeBlockWriter {
@@ -583,6 +642,9 @@ pub struct NativeBlockWriter {
     /// The last block's column buffers, cleared and filled again by the next one: fresh multi-megabyte buffers per
     /// block cost more in page faults than reading the records does.
     spare: Mutex<Option<Vec<Column>>>,
+    /// The last block handed out, written over by the next one once nothing else holds it (its caller has dropped
+    /// it): a fresh multi-megabyte `bytes` per block cost the insert after it more than the copy into it.
+    out: Mutex<Option<Py<PyByteArray>>>,
 }
 
 impl NativeBlockWriter {
@@ -597,6 +659,9 @@ impl NativeBlockWriter {
                     col.nulls.clear();
                     col.data.clear();
                     col.items = 0;
+                    if col.lc {
+                        col.dict.reset(col.nullable);
+                    }
                 }
                 cols
             }
@@ -606,8 +671,7 @@ impl NativeBlockWriter {
             self.record(&mut cols, record)?;
         }
         for col in cols.iter_mut().filter(|c| c.lc) {
-            let count = if col.array { col.items as usize } else { rows };
-            low_cardinality(&col.data, &col.nulls, col.nullable, count, &mut col.lc_body);
+            col.dict.body(&mut col.lc_body);
         }
         Ok(cols)
     }
@@ -623,13 +687,20 @@ impl NativeBlockWriter {
                 scalar: *scalar,
                 offsets: Vec::with_capacity(if *array { rows * 8 } else { 0 }),
                 nulls: Vec::with_capacity(if *nullable { rows } else { 0 }),
-                data: Vec::with_capacity(if *scalar == Scalar::Str {
+                data: Vec::with_capacity(if *lc {
+                    0
+                } else if *scalar == Scalar::Str {
                     total / 16
                 } else {
                     rows * 8
                 }),
                 items: 0,
                 lc: *lc,
+                dict: {
+                    let mut dict = Dictionary::default();
+                    dict.reset(*nullable);
+                    dict
+                },
                 lc_body: Vec::new(),
             })
             .collect()
@@ -791,16 +862,19 @@ impl NativeBlockWriter {
             steps,
             columns: typed,
             spare: Mutex::new(None),
+            out: Mutex::new(None),
         })
     }
 
-    /// One Native block (FORMAT Native) of every value in `values` (a list of bytes), in order; Refused when one
-    /// is not a well-formed record of the schema or a value does not fit its column (the caller takes the Python way).
+    /// One Native block (FORMAT Native) of every value in `values` (a list of bytes), in order, as a bytearray: the
+    /// previous call's, written over, when its caller no longer holds it (a block still referenced is never changed).
+    /// Refused when a value is not a well-formed record of the schema or does not fit its column (the caller takes
+    /// the Python way).
     fn block<'py>(
         &self,
         py: Python<'py>,
         values: &Bound<'py, PyList>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> PyResult<Bound<'py, PyByteArray>> {
         let rows = values.len();
         let mut records = Vec::with_capacity(rows);
         for value in values.iter() {
@@ -843,18 +917,35 @@ impl NativeBlockWriter {
             }
         }
         let size = parts.iter().map(|p| p.len()).sum();
-        let block = PyBytes::new_with(py, size, |buf| {
-            let mut at = 0;
-            for part in &parts {
-                buf[at..at + part.len()].copy_from_slice(part);
-                at += part.len();
+        let mut held = self.out.try_lock().ok();
+        let reusable = held
+            .as_mut()
+            .and_then(|held| held.take())
+            .map(|out| out.into_bound(py))
+            .filter(|out| out.get_refcnt() == 1); // only this writer holds it: nobody can see it change
+        let block = match reusable {
+            Some(out) => {
+                out.resize(size)?;
+                out
             }
-            Ok(())
-        });
+            None => PyByteArray::new_with(py, size, |_| Ok(()))?,
+        };
+        // SAFETY: the bytearray is this writer's alone (new, or held by nothing else), the GIL is held, and
+        // nothing runs Python code while its bytes are borrowed here.
+        let buf = unsafe { block.as_bytes_mut() };
+        let mut at = 0;
+        for part in &parts {
+            buf[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
         drop(parts);
+        if let Some(held) = held.as_mut() {
+            **held = Some(block.clone().unbind());
+        }
+        drop(held);
         if let Ok(mut held) = self.spare.try_lock() {
             *held = Some(cols);
         }
-        block
+        Ok(block)
     }
 }
