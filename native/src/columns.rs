@@ -533,6 +533,16 @@ fn utf8(raw: &[u8]) -> bool {
     raw.is_ascii() || std::str::from_utf8(raw).is_ok()
 }
 
+/// An enum value's symbol (its index read as a long); Refused when the index is out of range.
+#[inline(always)]
+fn read_symbol<'a>(symbols: &'a [String], data: &[u8], pos: &mut usize) -> R<&'a str> {
+    let i = read_long(data, pos)?;
+    symbols
+        .get(usize::try_from(i).map_err(|_| Reject)?)
+        .map(String::as_str)
+        .ok_or(Reject)
+}
+
 /// Reads one non-union value into a column's data.
 #[inline(always)]
 fn put(node: &Avro, scalar: Scalar, data: &[u8], pos: &mut usize, out: &mut Vec<u8>) -> R<()> {
@@ -546,10 +556,7 @@ fn put(node: &Avro, scalar: Scalar, data: &[u8], pos: &mut usize, out: &mut Vec<
             out.extend_from_slice(raw);
         }
         Avro::Enum(symbols) => {
-            let i = read_long(data, pos)?;
-            let symbol = symbols
-                .get(usize::try_from(i).map_err(|_| Reject)?)
-                .ok_or(Reject)?;
+            let symbol = read_symbol(symbols, data, pos)?;
             write_varuint(out, symbol.len() as u64);
             out.extend_from_slice(symbol.as_bytes());
         }
@@ -622,13 +629,7 @@ fn put_key(dict: &mut Dictionary, node: &Avro, data: &[u8], pos: &mut usize) -> 
     match node {
         Avro::Str => dict.push(read_span(data, pos)?, true),
         Avro::Bytes => dict.push(read_span(data, pos)?, false),
-        Avro::Enum(symbols) => {
-            let i = read_long(data, pos)?;
-            let symbol = symbols
-                .get(usize::try_from(i).map_err(|_| Reject)?)
-                .ok_or(Reject)?;
-            dict.push(symbol.as_bytes(), false)
-        }
+        Avro::Enum(symbols) => dict.push(read_symbol(symbols, data, pos)?.as_bytes(), false),
         _ => Err(Reject),
     }
 }

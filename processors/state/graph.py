@@ -711,10 +711,7 @@ class _Stage:
         if current is not None and rec is not None and current.content() == rec.content():
             return  # same content: the open interval continues
         self.node_delta += (rec is not None) - (current is not None)
-        if staged is None:
-            self._bound += 512 + 2 * (len(node_id) + (len(before.data_json) if before is not None else 0))
-        if rec is not None:
-            self._bound += 2 * len(rec.data_json)
+        self._grow_bound(len(node_id), before, staged is None, rec)
         self._nodes[node_id] = (before, rec, op)
 
     def edge(self, key: EdgeKey) -> EdgeRec | None:
@@ -733,12 +730,18 @@ class _Stage:
         if current is not None and rec is not None and current.data_json == rec.data_json:
             return
         self.edge_delta += (rec is not None) - (current is not None)
-        if staged is None:
-            size = len(key[0]) + len(key[1]) + len(key[2]) + (len(before.data_json) if before is not None else 0)
-            self._bound += 512 + 2 * size
+        self._grow_bound(len(key[0]) + len(key[1]) + len(key[2]), before, staged is None, rec)
+        self._edges[key] = (before, rec, op or ("delete" if rec is None else "upsert"))
+
+    def _grow_bound(
+        self, key_bytes: int, before: NodeRec | EdgeRec | None, first: bool, rec: NodeRec | EdgeRec | None
+    ) -> None:
+        """size_bound's share of one staged change: the key and its data before, the first time the key is staged;
+        the data it is set to, every time."""
+        if first:
+            self._bound += 512 + 2 * (key_bytes + (len(before.data_json) if before is not None else 0))
         if rec is not None:
             self._bound += 2 * len(rec.data_json)
-        self._edges[key] = (before, rec, op or ("delete" if rec is None else "upsert"))
 
     def nodes_after(self) -> Iterable[tuple[str, NodeRec | None]]:
         return ((k, v[1]) for k, v in self._nodes.items())
