@@ -335,6 +335,21 @@ def whole_chain(versions: list[dict], events: list[tuple[str, dict]]) -> bool:
     return sorted(v["event_id"] for v in versions) == sorted(r["envelope"]["event_id"] for _, r in events)
 
 
+def spread_sessions(prefix: str, partitions: int, per_partition: int) -> list[str]:
+    """Session ids, `per_partition` on each input partition: any partition a joining worker gets has input."""
+    names: list[str] = []
+    taken: Counter[int] = Counter()
+    n = 0
+    while len(names) < partitions * per_partition:
+        name = f"{prefix}-rb{n}"
+        partition = default_partition(name.encode(), partitions)
+        if taken[partition] < per_partition:
+            taken[partition] += 1
+            names.append(name)
+        n += 1
+    return names
+
+
 def interleaved(sessions: list[list[tuple[str, dict]]], rng: random.Random) -> list[tuple[str, dict]]:
     """The sessions' events, each session's in its order, sessions mixed at random."""
     queues = [list(events) for events in sessions]
@@ -370,12 +385,24 @@ def test_contracts_survive_a_join_and_a_kill_9_under_load(deployment: Settings, 
     asyncio.run(register(settings))
     rng = random.Random(2424)
     kinds = ["write_existing", "write_missing", "write_unchanged", "touch", "drop"]
-    names = [f"{settings.topic_prefix}-rb{s}" for s in range(12)]
+    names = spread_sessions(settings.topic_prefix, settings.partitions, per_partition=4)
     sessions = [contracts_workload(rng.choices(kinds, k=40), name) for name in names]
     book = ContractBook(asyncio.run(_contracts(settings)))
     in_order = check_rows([r for events in sessions for r in run_fold(versions_of(events), book)])
     events = interleaved(sessions, rng)
     third = len(events) // 3
+    middle = events[third : 2 * third]
+    half = len(middle) // 2
+    # b must fold some input before the kill: the stream's second half waits for b to be up (under load b took longer
+    # to start than the whole stream took, and had nothing to fold), and has events for every partition.
+    enough = max(1, min(20, fewest_per_partition(middle[half:], settings.partitions)))
+    b_ready = threading.Event()
+
+    def stream() -> None:
+        asyncio.run(produce(settings, middle[:half], 10))  # while b starts: the rebalance lands mid-stream
+        b_ready.wait(300)
+        asyncio.run(produce(settings, middle[half:], 10))
+
     env = {"PYTHONPATH": plugin_site(tmp_path)}
     a = WorkerProcess(settings, settings.home / "worker.log", env=env)
     b_home, b_port = tmp_path / "b", settings.web_port + 200
@@ -402,11 +429,14 @@ def test_contracts_survive_a_join_and_a_kill_9_under_load(deployment: Settings, 
     try:
         a.start().wait_ready()
         asyncio.run(send_records(settings, events[:third]))  # a backlog
-        streaming = threading.Thread(target=asyncio.run, args=(produce(settings, events[third : 2 * third], 10),))
+        streaming = threading.Thread(target=stream)
         streaming.start()
-        b.start().wait_ready()  # joins while `a` folds: a rebalance mid-batch
-        wait_for(lambda: total(scrape(b_settings), "treadle_events_in_total") >= 20, 180, "input folded by worker b",
-                 explain=logs)  # fmt: skip
+        try:
+            b.start().wait_ready()  # joins while `a` folds: a rebalance mid-batch
+        finally:
+            b_ready.set()
+        wait_for(lambda: total(scrape(b_settings), "treadle_events_in_total") >= enough, 180,
+                 f"{enough} input events folded by worker b", explain=logs)  # fmt: skip
         mid_stream = streaming.is_alive()
         b.kill()
         streaming.join()
