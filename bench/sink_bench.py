@@ -2,13 +2,14 @@
 
 Like with like: the same rows into the same table (the real migrations), the same batch size and insert settings
 (sinks.writer.INSERT_SETTINGS). The baseline is the fastest direct insert of prebuilt columns found: the rows as
-Arrow IPC streams built beforehand (untimed), inserted FORMAT ArrowStream; the same columns as Python lists through
-clickhouse-connect's column insert are printed beside it, and so is the insert of the Avro container the sink would
-hand ClickHouse for the same records, prebuilt (the sink's own cost is the difference). The sink is timed on the
-path the consumer takes for the Transitions topic (the Avro bytes as they are on the topic, in the ConsumerRecords a
-fetch returns: `add_encoded_records`, then Native blocks made natively) and on the decoded-record path that input
-topics and the Avro fallback take (`add`: row mapping in Python). Background merges are stopped on both tables: a
-run's merges would otherwise land in the next run's CPU clock.
+Arrow IPC streams built beforehand (untimed), inserted FORMAT ArrowStream, or as Native blocks chDB wrote, through
+raw_insert (a temporary file on chDB) or from memory (chDB's send_insert, as the sink inserts on chDB); the same
+columns as Python lists through clickhouse-connect's column insert are printed beside it, and so is the insert of
+the Avro container the sink would hand ClickHouse for the same records, prebuilt (the sink's own cost is the
+difference). The sink is timed on the path the consumer takes for the Transitions topic (the Avro bytes as they are
+on the topic, in the ConsumerRecords a fetch returns: `add_encoded_records`, then Native blocks made natively) and
+on the decoded-record path that input topics and the Avro fallback take (`add`: row mapping in Python). Background
+merges are stopped on both tables: a run's merges would otherwise land in the next run's CPU clock.
 
 chDB allows one data path per process, so this runs in its own process on a fresh path, with two databases
 (bench_sink for the sink, bench_direct for the direct inserts):
@@ -30,6 +31,7 @@ from aiokafka.structs import ConsumerRecord
 from bench.common import Measurement, machine_facts, median_run, write_measurements
 from bench.workload import final_transitions, make_steps
 from sinks.avro_container import AvroContainer
+from sinks.chdb_insert import insert_from_memory
 from sinks.clickhouse import ClickHouseStore
 from sinks.migrations import apply_migrations, apply_pending
 from sinks.native_blocks import NativeBlocks
@@ -47,6 +49,7 @@ DIRECT_ARROW = "direct chDB insert (Arrow)"
 DIRECT_COLUMNS = "direct chDB insert (Python columns)"
 DIRECT_AVRO = "direct chDB insert (Avro)"
 DIRECT_NATIVE = "direct chDB insert (Native)"
+DIRECT_NATIVE_MEMORY = "direct chDB insert (Native, in memory)"
 TARGET = 0.8
 SINK_ENCODED_COMMAND = (
     "ClickHouseSink(batch_size={batch}).add_encoded_records('transitions', fetched ConsumerRecords, Transition) per "
@@ -56,6 +59,10 @@ SINK_DECODED_COMMAND = "ClickHouseSink(batch_size={batch}).add('transitions', de
 ARROW_COMMAND = "client.raw_insert('transitions', prebuilt Arrow IPC stream, fmt='ArrowStream'), {batch} rows each"
 NATIVE_COMMAND = (
     "client.raw_insert('transitions', prebuilt Native block (chDB's own output), fmt='Native'), {batch} each"
+)
+NATIVE_MEMORY_COMMAND = (
+    "sinks.chdb_insert.insert_from_memory(client, 'transitions', prebuilt Native block, 'Native'): chDB's send_insert, "
+    "no temporary file, {batch} each"
 )
 AVRO_COMMAND = "client.raw_insert('transitions', prebuilt Avro container of the same bytes, fmt='Avro'), {batch} each"
 COLUMNS_COMMAND = "client.insert('transitions', prebuilt columns, column_oriented=True), {batch} rows per insert"
@@ -179,6 +186,17 @@ def avro_containers(encoded: list[bytes], batch: int) -> list[bytes]:
     return files
 
 
+async def _direct_from_memory(store: ClickHouseStore, blocks: list[bytes], fmt: str) -> None:
+    """Prebuilt blocks handed to chDB from memory (the insert the sink makes on chDB), one insert each."""
+    target, names, settings = f"{DIRECT_DB}.transitions", list(NAMES), dict(INSERT_SETTINGS)
+    for block in blocks:
+        written = await store.call(
+            lambda client, block=block: insert_from_memory(client, target, names, block, fmt, settings)
+        )
+        if written is None:
+            raise RuntimeError("this chDB client takes no insert from memory")
+
+
 async def _direct_columns(store: ClickHouseStore, batches: list[list[list[Any]]]) -> None:
     names, settings = list(NAMES), dict(INSERT_SETTINGS)
     for columns in batches:
@@ -216,6 +234,7 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
         DIRECT_ARROW: lambda: _direct(store, streams, "ArrowStream"),
         SINK_ENCODED: lambda: _sink_encoded(store, fetched, batch, codec),
         DIRECT_NATIVE: lambda: _direct(store, blocks, "Native"),
+        DIRECT_NATIVE_MEMORY: lambda: _direct_from_memory(store, blocks, "Native"),
         DIRECT_COLUMNS: lambda: _direct_columns(store, batches),
         DIRECT_AVRO: lambda: _direct(store, files, "Avro"),
         SINK_DECODED: lambda: _sink_decoded(store, records, batch, codec),
@@ -241,11 +260,13 @@ async def bench(store: ClickHouseStore, rows: int, batch: int, repeats: int) -> 
     made = {
         name: median_run(SECTION, name, command.format(batch=batch), rows, "rows", cpu[name])
         for name, command in (
-            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_NATIVE, NATIVE_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND),
+            (DIRECT_ARROW, ARROW_COMMAND), (DIRECT_NATIVE, NATIVE_COMMAND),
+            (DIRECT_NATIVE_MEMORY, NATIVE_MEMORY_COMMAND), (DIRECT_COLUMNS, COLUMNS_COMMAND),
             (DIRECT_AVRO, AVRO_COMMAND), (SINK_ENCODED, SINK_ENCODED_COMMAND), (SINK_DECODED, SINK_DECODED_COMMAND),
         )
     }  # fmt: skip
-    fastest = min((DIRECT_ARROW, DIRECT_NATIVE, DIRECT_COLUMNS), key=lambda name: made[name].elapsed_s)  # prebuilt
+    prebuilt = (DIRECT_ARROW, DIRECT_NATIVE, DIRECT_NATIVE_MEMORY, DIRECT_COLUMNS)
+    fastest = min(prebuilt, key=lambda name: made[name].elapsed_s)
     settings = ", ".join(f"{k}={v}" for k, v in INSERT_SETTINGS.items())
     made[fastest].notes.append(f"the baseline: the fastest direct insert this run; prebuilt, untimed; {settings}")
     made[DIRECT_COLUMNS].notes.append(f"rows mapped to columns beforehand (untimed); {components:.1f} components/row")

@@ -24,6 +24,7 @@ import pyarrow as pa
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.query import QueryResult
 
+from sinks.chdb_insert import insert_from_memory
 from sinks.sql_guard import check_read_only, read_only_settings
 from topics.settings import Settings
 
@@ -300,12 +301,17 @@ class ClickHouseStore:
         fmt: str,
         settings: Mapping[str, Any] | None = None,
     ) -> int:
-        """Insert `data`, already in ClickHouse input format `fmt` (Avro, Native...), into `table`."""
+        """Insert `data`, already in ClickHouse input format `fmt` (Avro, Native...), into `table`.
+
+        On chDB the bytes go in from memory (sinks.chdb_insert), not through the temporary file of raw_insert."""
 
         def insert(client: Client) -> int:
             names = list(column_names)
             target = f"{self.database}.{checked_identifier(table)}"
             chosen = dict(settings) if settings else None
+            written = insert_from_memory(client, target, names, data, fmt, chosen)
+            if written is not None:
+                return written
             return client.raw_insert(target, names, insert_block=data, fmt=fmt, settings=chosen).written_rows
 
         return await self.call(insert)

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from processors.evaluation import metric_record
 from sinks import migrations
+from sinks.chdb_insert import chdb_handle
 from sinks.clickhouse import (
     ClickHouseStore,
     ClickHouseUnavailableError,
@@ -730,6 +733,35 @@ async def test_read_pairs_run_two_reads_at_once_in_order_and_only_reads(store: C
     with pytest.raises(ReadOnlyQueryError):
         await store.read_only_queries_arrow(["SELECT 1", "DROP TABLE transitions"])
     assert store.read_only_queries_arrow_sync(["SELECT 7 AS x"])[0].column("x").to_pylist() == [7]
+
+
+async def test_formatted_inserts_on_chdb_go_in_from_memory_with_their_settings(
+    store: ClickHouseStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """insert_formatted on chDB makes no temporary file (raw_insert's FROM INFILE would need one) and keeps its
+    settings: optimize_on_insert=1 collapses a key inside the block, 0 keeps both rows."""
+    await store.command("CREATE TABLE kv (k String, v UInt32) ENGINE = ReplacingMergeTree(v) ORDER BY k")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))  # any temporary file would fail here
+    block = b"a\t1\na\t2\nb\t3\n"
+    assert await store.insert_formatted("kv", block, ["k", "v"], "TabSeparated", {"optimize_on_insert": 0}) == 3
+    assert store.query_sync("SELECT count() FROM kv").result_rows == [(3,)]
+    await store.command("TRUNCATE TABLE kv")
+    await store.insert_formatted("kv", bytearray(block), ["k", "v"], "TabSeparated", {"optimize_on_insert": 1})
+    assert store.query_sync("SELECT k, v FROM kv ORDER BY k").result_rows == [("a", 2), ("b", 3)]
+    assert chdb_handle(object()) is None  # not chDB's client: insert_formatted keeps raw_insert
+
+
+async def test_a_formatted_insert_chdb_refuses_raises_writes_nothing_and_frees_the_handle(
+    store: ClickHouseStore,
+) -> None:
+    await store.command("CREATE TABLE kv (k String, v UInt32) ENGINE = MergeTree ORDER BY k")
+    with pytest.raises(DatabaseError, match=r"(?i)parse|cannot|number"):
+        await store.insert_formatted("kv", b"a\t1\nb\tnot-a-number\n", ["k", "v"], "TabSeparated")
+    with pytest.raises(DatabaseError):
+        await store.insert_formatted("no_such_table", b"a\t1\n", ["k", "v"], "TabSeparated")
+    assert store.query_sync("SELECT count() FROM kv").result_rows == [(0,)]
+    assert await store.insert_formatted("kv", b"c\t4\n", ["k", "v"], "TabSeparated") == 1  # the handle is free
+    assert store.query_sync("SELECT k, v FROM kv").result_rows == [("c", 4)]
 
 
 def test_a_closed_store_says_so(chdb_settings: Settings) -> None:
