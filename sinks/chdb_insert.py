@@ -50,7 +50,8 @@ def insert_from_memory(
 
     Raises DatabaseError when chDB refuses the insert (the insert is cancelled: nothing of it is committed)."""
     handle = chdb_handle(client)
-    if handle is None or handle.stream_owner == threading.get_ident():  # a stream open on this thread holds the lock
+    # a stream open on this thread holds the handle's lock: raw_insert then, as before
+    if handle is None or getattr(handle, "stream_owner", None) == threading.get_ident():
         return None
     columns = ", ".join(f"`{name}`" for name in column_names)
     sql = f"INSERT INTO {target} ({columns}){settings_clause(settings)}"
