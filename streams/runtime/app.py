@@ -249,6 +249,7 @@ def build_pipeline(
         consumer_metadata_max_age_ms=CONSUMER_METADATA_MAX_AGE_MS,  # a moved leader is found again within 10 s
     )
     app.fetch_min_bytes = settings.worker_fetch_min_bytes
+    app.gapless_topics = frozenset(s.name for s in catalog if "compact" not in s.config.get("cleanup.policy", ""))
     processors = processors if processors is not None else default_processors(settings.processors)
     for processor in processors:
         processor.setup(app, settings)

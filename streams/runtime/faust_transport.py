@@ -252,18 +252,22 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     def _reads_whole(self, topic: str) -> bool:
         """Whether a hole in `topic`'s offsets read here is read again (_went_past_a_hole) rather than committed past.
 
-        The batch topics, and every topic an agent reads with acks on (its offsets are committed) that is not
-        compacted: their offsets are contiguous, so a hole is records a fetch dropped. Faust's own answer to a hole
-        is to ack it as a gap, which for an agent's input (the contracts processor reads the state processor's
-        StateVersions with one) lost the records in it: a step with no postcondition check after a rebalance and
-        a kill -9 (seen once in CI). Table changelogs are compacted, so their holes are real."""
+        The batch topics, and every topic an agent reads with acks on (its offsets are committed) that is written
+        without transactions and never compacted: treadle's own (ResumingApp.gapless_topics) and the app's internal
+        ones. Their offsets are contiguous, so a hole is records a fetch dropped. Faust's own answer to a hole is to
+        ack it as a gap, which for an agent's input (the contracts processor reads the state processor's
+        StateVersions with one) lost the records in it: a step with no postcondition check after a rebalance and a
+        kill -9 (seen once in CI). Table changelogs are compacted, so their holes are real; so are the commit markers
+        of a topic written with transactions (another system's, read by a plugin's agent): those keep Faust's way."""
         app: ResumingApp = self.app  # type: ignore[assignment]
         if topic in app.batch_topics:
             return True
         if topic in app.tables.changelog_topics:
             return False
         readers = [t for t in app.topics if topic in t.topics]
-        return bool(readers) and all(getattr(t, "acks", False) and not getattr(t, "compacting", None) for t in readers)
+        if not readers or not all(getattr(t, "acks", False) and not getattr(t, "compacting", None) for t in readers):
+            return False
+        return topic in app.gapless_topics or all(getattr(t, "internal", False) for t in readers)
 
     async def _went_past_a_hole(self, tp: Any, offset: int) -> bool:
         """Whether `offset` lies past records of input partition `tp` that were never handed out; if so, `tp` is read
@@ -533,6 +537,9 @@ class ResumingApp(faust.App):
     """faust.App whose consumers use ResumingTransport (the broker URLs must be kafka://)."""
 
     batch_topics: frozenset[str] = frozenset()
+    # Topics written without transactions and never compacted (treadle's own: build_pipeline sets the catalog's), so
+    # an agent reading one gets the batch topics' hole check (ResumingConsumer._reads_whole).
+    gapless_topics: frozenset[str] = frozenset()
     batch_handler: BatchHandler | None = None
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0

@@ -19,11 +19,15 @@ async def test_inputs_and_agent_topics_are_read_whole_but_not_changelogs_or_comp
     settings = Settings(home=tmp_path, partitions=3, processors=("steps", "state", "contracts"))
     app = build_pipeline(settings, processors=[StepProcessor(), StateProcessor(), ContractsProcessor()]).app
     compacted = app.topic(f"{settings.topic_prefix}-registry", compacting=True, value_serializer="raw")
+    foreign = app.topic("another-systems-events", value_serializer="raw")  # maybe written with transactions
+    registry = TopicCatalog(settings)["contracts"]  # a catalog topic, but compacted
 
-    @app.agent(compacted, name="registry-reader")
-    async def read_registry(stream):  # type: ignore[no-untyped-def]
-        async for _ in stream:
-            pass
+    for n, topic in enumerate((compacted, foreign, app.topic(registry.name, value_serializer="raw"))):
+
+        @app.agent(topic, name=f"plugin-reader-{n}")
+        async def read(stream):  # type: ignore[no-untyped-def]
+            async for _ in stream:
+                pass
 
     for agent in app.agents.values():
         aiter(agent.channel)  # what an agent's start does: its topic joins the conductor's
@@ -39,4 +43,6 @@ async def test_inputs_and_agent_topics_are_read_whole_but_not_changelogs_or_comp
     changelogs = {table.changelog_topic.get_topic_name() for table in app.tables.values()}
     assert changelogs and not any(consumer._reads_whole(name) for name in changelogs)
     assert not consumer._reads_whole(f"{settings.topic_prefix}-registry")
+    assert not consumer._reads_whole("another-systems-events")  # its holes may be commit markers: Faust's way
+    assert not consumer._reads_whole(registry.name)
     assert not consumer._reads_whole("a-topic-nobody-here-reads")
