@@ -13,8 +13,9 @@ partition is left out of the next getmany while its last record read is more tha
 timestamps) ahead of a co-partitioned input partition that has records left to read, or that has records and
 none read yet. What it fetched waits in aiokafka's buffer, and aiokafka fetches it no further meanwhile, so the
 held-back data is bounded by one fetch. A partition with records left that delivers none (its fetches fail, or
-are slow) holds the others back for at most `max_wait_s` without progress, then everything is read as fetched
-(Kafka Streams' max.task.idle.ms and "enforced processing").
+are slow) holds the others back for at most `max_wait_s` of fetching without progress, then everything is read as
+fetched (Kafka Streams' max.task.idle.ms and "enforced processing"). The clock (`now` of `readable`) is the time
+spent fetching, not wall time: the time a worker spends folding a batch between fetches is no fetch failing.
 
 Record timestamps are the producers' clocks (treadle's SDK leaves them to Kafka), which follow event time for
 live producers; for a backlog, they are its send order.
