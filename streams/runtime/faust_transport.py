@@ -105,7 +105,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _aligned_generation: int | None = None
     _background_commit: asyncio.Future[Any] | None = None  # the commit the fetch loop started, if any
     _commit_crash: asyncio.Future[Any] | None = None  # the crash a failed background commit started
-    _next_input: dict[Any, int]  # input partition -> the offset its next record handed out must have
+    _next_input: dict[Any, int]  # partition read whole -> the offset its next record handed out must have
     _whole_topics: dict[str, bool]  # topic -> whether its holes are read again (_reads_whole)
     # Seconds spent in fetches: the clock of InputAlignment's wait for a laggard. Wall time would also count the
     # folding of batches between fetches, so a worker that folds slower than max_wait_s per batch (a lagging one)
@@ -276,8 +276,8 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         return topic in app.gapless_topics or all(getattr(t, "internal", False) for t in readers)
 
     async def _went_past_a_hole(self, tp: Any, offset: int) -> bool:
-        """Whether `offset` lies past records of input partition `tp` that were never handed out; if so, `tp` is read
-        again from the first of them.
+        """Whether `offset` lies past records of `tp` (a partition read whole) that were never handed out; if so, `tp`
+        is read again from the first of them.
 
         Input topics have no compaction and no transactions, so their offsets are contiguous, and a record handed out
         past a hole means the fetch dropped records (Faust's getmany drops those of a partition that is not active
