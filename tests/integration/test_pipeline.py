@@ -226,12 +226,16 @@ def test_a_rebalance_while_a_batch_is_still_being_read_neither_hangs_nor_loses_i
     rng.shuffle(events)
     first = worker_factory(settings).start()
     first.wait_ready()
-    done = threading.Event()
+    done, second_ready = threading.Event(), threading.Event()
 
     def trickle() -> None:
+        """Input goes on arriving while the second worker starts, and its last third only once it is up: a
+        second worker slower to start than the whole trickle (a loaded CI machine) left nothing to fold after it."""
         for i in range(0, len(events), 10):
+            if i >= 2 * len(events) // 3:
+                second_ready.wait(180)
             asyncio.run(produce(settings, events[i : i + 10]))
-            time.sleep(0.1)
+            time.sleep(0.1 if second_ready.is_set() else 0.3)
         done.set()
 
     sender = threading.Thread(target=trickle, daemon=True)
@@ -242,7 +246,8 @@ def test_a_rebalance_while_a_batch_is_still_being_read_neither_hangs_nor_loses_i
     second = worker_factory(other).start()
     second.wait_ready()
     joined = total(scrape(settings), "treadle_events_in_total")
-    sender.join(120)
+    second_ready.set()
+    sender.join(240)
     assert done.is_set()
     rows = wait_for(complete(settings, expected), 120, "every transition",
                     explain=lambda: revision_diff(settings, expected, first, second))  # fmt: skip
