@@ -528,26 +528,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "core"):
         if not args.no_pin and taskset_available() and not pinned_child:  # the core section alone on core 1
             env = {**os.environ, "TREADLE_BENCH_PINNED": "1"}
-            command = ["taskset", "-c", "1", sys.executable, "-m", "bench.contracts_bench", *_without_only(argv)]
-            command += ["--only", "core"]
+            given = argv if argv is not None else sys.argv[1:]  # argparse keeps the last --only: core
+            command = ["taskset", "-c", "1", sys.executable, "-m", "bench.contracts_bench", *given, "--only", "core"]
             failed |= subprocess.call(command, env=env)
         else:
             failed |= core_section(args)
     if args.only in (None, "worker") and not pinned_child:
         failed |= worker_section(args)
     return 1 if failed else 0
-
-
-def _without_only(argv: list[str] | None) -> list[str]:
-    """The command line less `--only X` and `--only=X` (the pinned child gets `--only core`)."""
-    given = argv if argv is not None else sys.argv[1:]
-    drop: set[int] = set()
-    for i, arg in enumerate(given):
-        if arg == "--only":
-            drop |= {i, i + 1}
-        elif arg.startswith("--only="):
-            drop.add(i)
-    return [arg for i, arg in enumerate(given) if i not in drop]
 
 
 if __name__ == "__main__":

@@ -107,13 +107,8 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _commit_crash: asyncio.Future[Any] | None = None  # the crash a failed background commit started
     _next_input: dict[Any, int]  # partition read whole -> the offset its next record handed out must have
     _whole_topics: dict[str, bool]  # topic -> whether its holes are read again (_reads_whole)
-    # Seconds spent in fetches: the clock of InputAlignment's wait for a laggard. Wall time would also count the
-    # folding of batches between fetches, so a worker that folds slower than max_wait_s per batch (a lagging one)
-    # gave up aligning at every fetch: its input topics ran apart by tens of seconds of record time (a state soak:
-    # dispatches and tool results read ~35,000 offsets per partition ahead of the deltas, 250,000 events held in
-    # the state fold's reorder buffers waiting for them).
-    _fetching_s: float = 0.0
-    _hole_tries: dict[Any, tuple[int, int]]  # input partition -> (offset read again from, times)
+    _fetching_s: float = 0.0  # seconds spent in fetches: InputAlignment's clock (why not wall time: its doc)
+    _hole_tries: dict[Any, tuple[int, int]]  # partition read whole -> (offset read again from, times)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
