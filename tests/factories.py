@@ -12,13 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.paths import REPO_ROOT
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
+from topics.names import STATE_VERSION
 from topics.settings import Settings
 
 BASE_TIME = 1_760_000_000_000_000  # micros
@@ -204,3 +205,36 @@ def scrape(settings: Settings) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 def total(samples: dict, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
+
+
+async def published_versions(settings: Settings, sessions: list[str]) -> dict[str, list[dict]]:
+    """Each session's StateVersion records as the state processor published them on `state_versions` (what the
+    contracts processor folds), one per ordinal, in ordinal order. A replay after a crash or a rebalance publishes a
+    commit's versions again: each must be the one published before (versions are published only once committed)."""
+    topic, codec = TopicCatalog(settings)["state_versions"].name, AvroCodec()
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False)
+    await consumer.start()
+    chains: dict[str, dict[int, dict]] = {session: {} for session in sessions}
+    try:
+        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        remaining = {tp for tp in tps if end[tp] > 0}
+        deadline = time.monotonic() + 60
+        while remaining and time.monotonic() < deadline:
+            for tp, messages in (await consumer.getmany(*remaining, timeout_ms=500)).items():
+                for message in messages:
+                    if message.offset >= end[tp]:
+                        break
+                    _, version = codec.decode(message.value, STATE_VERSION)
+                    chain = chains.get(version["session_id"])
+                    if chain is not None:
+                        first = chain.setdefault(version["ordinal"], version)
+                        assert first == version, f"two versions published as one ordinal: {first} and {version}"
+                    if message.offset + 1 >= end[tp]:
+                        remaining.discard(tp)
+        assert not remaining, f"did not read {topic} to its end: {remaining}"
+    finally:
+        await consumer.stop()
+    return {session: [chain[o] for o in sorted(chain)] for session, chain in chains.items()}

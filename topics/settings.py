@@ -368,6 +368,14 @@ class Settings(BaseModel):
         description="TREADLE_STATE_IDLE_FLUSH_S: longest wait of a state event for its session's other topics "
         "to catch up before it is applied anyway.",
     )
+    state_idle_flush_max_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="TREADLE_STATE_IDLE_FLUSH_MAX_S: longest wait of a state event while this worker has not yet "
+        "folded what its session's input partitions held when the wait began (a lagging worker): it waits past "
+        "TREADLE_STATE_IDLE_FLUSH_S then, so the versions of a backlog follow seq order however far behind the "
+        "worker is.",
+    )
     state_max_buffer: int = Field(
         default=1_000, description="TREADLE_STATE_MAX_BUFFER: most events a session's state reorder buffer holds."
     )

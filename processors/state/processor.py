@@ -18,7 +18,10 @@ Redelivered events are recognised by seq (SessionState.heads), which is committe
 Early release. A timer notices sessions whose oldest buffered event waited `state_idle_flush_s` and sends a
 flush request (with each topic's head) to the internal `<app id>-state-ticks` topic on the session's
 partition; this processor's agent applies it under the same commit protocol. Being in the log, a flush
-replays; its heads make it release on a replay exactly what it released the first time.
+replays; its heads make it release on a replay exactly what it released the first time. Until the worker has
+folded what the session's input partitions held when the wait began (a lagging worker), the wait is up to
+`state_idle_flush_max_s` instead: what the session waits for is most likely among those records, and releasing
+early would make the versions depend on how far behind the worker was.
 
 Ending a session. SESSION_CLOSED/ARCHIVED ends a session once released (processors/state/graph.py). The
 commit that ends it is acked first (its record, with `ended` set, is the marker), then its versions are
@@ -44,10 +47,12 @@ from typing import Any
 
 import faust
 import orjson
+from aiokafka import TopicPartition
 from aiokafka.partitioner import murmur2
 
 from processors.state.cache import StateCache, connect
 from processors.state.graph import (
+    ORDERED,
     STATE_INPUTS,
     EdgeRec,
     Flush,
@@ -107,6 +112,17 @@ class _Work:
         return orjson.dumps({"state": self.state.to_dict(), "made": made, "rejected": self.rejected})
 
 
+@dataclass(slots=True)
+class _Wait:
+    """A session whose oldest buffered event waits for its other topics: since when, and each ordered input
+    partition's end offset then (None until known): the worker folds up to those before a short wait ends."""
+
+    partition: int
+    since: float
+    oldest: str  # event id
+    ends: list[int | None]
+
+
 class StateProcessor:
     """Versioned state graph per session: StateVersion records, Redis latest state, ClickHouse history."""
 
@@ -128,11 +144,12 @@ class StateProcessor:
         self._states: OrderedDict[str, SessionState] = OrderedDict()  # committed, decoded, LRU
         self._fresh: set[str] = set()  # sessions whose last commit was re-materialized in this assignment
         self._assigned: frozenset[Any] | None = None
-        self._waiting: dict[str, tuple[int, float, str]] = {}  # session -> (partition, since, oldest event id)
+        self._waiting: dict[str, _Wait] = {}
         self._scanned = False
         self._gaps: set[str] = set()
         self._codec = AvroCodec()
         self._delta_topic = ""
+        self._ordered_topics: tuple[str, ...] = ()  # the topics whose seq heads release a session's buffer
 
     # -- wiring -----------------------------------------------------------------------------------
 
@@ -156,6 +173,7 @@ class StateProcessor:
         )
         catalog = TopicCatalog(settings)
         self._delta_topic = catalog.for_schema(STATE_DELTA).name
+        self._ordered_topics = tuple(sorted({catalog.for_schema(schema).name for schema in ORDERED}))
         ticks = app.topic(
             f"{settings.app_id}-state-ticks",
             key_serializer="raw",
@@ -383,8 +401,8 @@ class StateProcessor:
             return
         known = self._waiting.get(work.session)
         oldest = buffer[0].event_id
-        if known is None or known[2] != oldest:
-            self._waiting[work.session] = (work.partition, time.monotonic(), oldest)
+        if known is None or known.oldest != oldest:
+            self._waiting[work.session] = self._wait(work.partition, oldest)
 
     def _dead_letter(self, schema_name: str, record: dict[str, Any], reason: str) -> dict[str, Any]:
         env = record["envelope"]
@@ -415,10 +433,10 @@ class StateProcessor:
             if not self._scanned:
                 self._scan_waiting()
             now = time.monotonic()
-            due = [s for s, (_, since, _) in self._waiting.items() if now - since >= self.settings.state_idle_flush_s]
+            due = [session for session, wait in self._waiting.items() if self._flush_due(now - wait.since, wait)]
             requests = []
             for session in due:
-                partition = self._waiting.pop(session)[0]
+                partition = self._waiting.pop(session).partition
                 work = self._open(session, partition)
                 await self._commit([work], ctx)  # a session restored after a crash: its last commit again
                 request = self.fold.flush_request(work.state)
@@ -436,6 +454,33 @@ class StateProcessor:
         if wiped or self._gaps:
             await self._rebuild_cache(None if wiped else set(self._gaps), ctx)
 
+    def _wait(self, partition: int, oldest: str) -> _Wait:
+        assert self.app is not None
+        highwater = getattr(self.app.consumer, "highwater", None)  # ResumingConsumer's; Faust's has none
+        ends = [highwater(TopicPartition(t, partition)) if highwater else None for t in self._ordered_topics]
+        return _Wait(partition, time.monotonic(), oldest, ends)
+
+    def _flush_due(self, waited_s: float, wait: _Wait) -> bool:
+        """Whether a session that waited `waited_s` for its other topics is flushed now: after `state_idle_flush_s`
+        once this worker folded what its ordered input partitions held when the wait began (what the session waits
+        for was not among it), else after `state_idle_flush_max_s` (a lagging worker)."""
+        assert self.settings is not None and self.app is not None
+        if waited_s < self.settings.state_idle_flush_s:
+            return False
+        if waited_s >= self.settings.state_idle_flush_max_s:
+            return True
+        consumer = self.app.consumer
+        if not hasattr(consumer, "folded_to"):
+            return True
+        for i, topic in enumerate(self._ordered_topics):
+            tp = TopicPartition(topic, wait.partition)
+            if wait.ends[i] is None:  # no fetch had reported it when the wait began: what it reports now
+                wait.ends[i] = consumer.highwater(tp)
+            end, folded = wait.ends[i], consumer.folded_to(tp)
+            if end is not None and folded is not None and folded < end:
+                return False
+        return True
+
     def _scan_waiting(self) -> None:
         """Find sessions restored from the changelog with a waiting buffer (after a restart or rebalance)."""
         assert self.settings is not None
@@ -443,7 +488,7 @@ class StateProcessor:
             state = SessionState.from_dict(orjson.loads(raw)["state"])
             if state.buffer and state.session_id not in self._waiting:
                 partition = (murmur2(key) & 0x7FFFFFFF) % self.settings.partitions  # Kafka's default partitioner
-                self._waiting[state.session_id] = (partition, time.monotonic(), state.buffer[0].event_id)
+                self._waiting[state.session_id] = self._wait(partition, state.buffer[0].event_id)
         self._scanned = True
 
     async def _rebuild_cache(self, only: set[str] | None, ctx: ProcessingContext) -> None:

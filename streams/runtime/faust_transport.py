@@ -64,7 +64,13 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types.tuples import ack_lock
 from mode.utils.futures import notify
 
-from streams.runtime.input_alignment import MAX_SKEW_S, InputAlignment, records_behind, records_left
+from streams.runtime.input_alignment import (
+    MAX_SKEW_S,
+    InputAlignment,
+    fetch_offsets,
+    records_behind,
+    records_left,
+)
 from streams.sdk.batching import DeliveryCallback, PartitionBatcher
 
 log = logging.getLogger(__name__)
@@ -109,10 +115,12 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _whole_topics: dict[str, bool]  # topic -> whether its holes are read again (_reads_whole)
     _fetching_s: float = 0.0  # seconds spent in fetches: InputAlignment's clock (why not wall time: its doc)
     _hole_tries: dict[Any, tuple[int, int]]  # partition read whole -> (offset read again from, times)
+    _in_batch: dict[Any, int]  # input partition -> offset of its first record in the batch being read or folded
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._next_input = {}
+        self._in_batch = {}
         self._whole_topics = {}
         self._hole_tries = {}
         deliver = self.callback
@@ -167,18 +175,21 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             while not (self.should_stop or fetcher.should_stop):
                 batch: list[Any] = []
                 revocations = app.revocations
-                await self._read_into(batch, 1.0)
-                deadline = time.monotonic() + app.batch_linger_s
-                while batch and len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
-                    had = len(batch)
-                    await self._read_into(batch, max(0.0, deadline - time.monotonic()))
-                    if len(batch) == had and time.monotonic() >= deadline:
-                        break  # nothing more fetched, and the linger is over
-                if batch and self._may_deliver(revocations):
-                    self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
-                    await self._deliver(app.batch_handler, batch)
-                elif batch:
-                    await self._read_again(batch)
+                try:
+                    await self._read_into(batch, 1.0)
+                    deadline = time.monotonic() + app.batch_linger_s
+                    while batch and len(batch) < app.batch_max_records and self.flow_active and not self.should_stop:
+                        had = len(batch)
+                        await self._read_into(batch, max(0.0, deadline - time.monotonic()))
+                        if len(batch) == had and time.monotonic() >= deadline:
+                            break  # nothing more fetched, and the linger is over
+                    if batch and self._may_deliver(revocations):
+                        self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
+                        await self._deliver(app.batch_handler, batch)
+                    elif batch:
+                        await self._read_again(batch)
+                finally:
+                    self._in_batch.clear()
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
                     self._commit_in_background()
                 await asyncio.sleep(0)
@@ -245,6 +256,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                     app.on_first_input()
                     app.on_first_input = None
                 batch.append(message)
+                self._in_batch.setdefault(tp, offset)
                 alignment.read(tp, message.timestamp)
             else:
                 await self.wait_first(self.callback(message), self.suspend_flow.wait())
@@ -388,6 +400,16 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             await self.crash(exc)
             return False
         return await self._commit_offsets(offsets, start_new_transaction=start_new_transaction)
+
+    def folded_to(self, tp: Any) -> int | None:
+        """The offset below which every record of input partition `tp` is folded (read into a batch whose fold
+        ended); None while unknown."""
+        first = self._in_batch.get(tp)
+        return first if first is not None else fetch_offsets(self.aiokafka_consumer, tp)[0]
+
+    def highwater(self, tp: Any) -> int | None:
+        """`tp`'s end offset as the last fetch reported it; None while unknown."""
+        return fetch_offsets(self.aiokafka_consumer, tp)[1]
 
     @property
     def aiokafka_consumer(self) -> Any:

@@ -106,3 +106,13 @@ def records_behind(consumer: Any, tp: TopicPartition) -> int | None:
     if state.highwater is None or not state.has_valid_position:
         return None
     return max(0, state.highwater - state.position)
+
+
+def fetch_offsets(consumer: Any, tp: TopicPartition) -> tuple[int | None, int | None]:
+    """`tp`'s (consumed position, last highwater a fetch reported), each None while unknown (not assigned, not
+    fetched yet, `consumer` None)."""
+    subscription = consumer._subscription.subscription if consumer is not None else None
+    state = subscription.assignment.state_value(tp) if subscription is not None else None
+    if state is None:
+        return None, None
+    return (state.position if state.has_valid_position else None), state.highwater

@@ -27,7 +27,7 @@ from processors.contracts.fold import ContractBook
 from sinks.sql_client import run_sql
 from streams.runtime.worker import prepare_cluster
 from streams.sdk.batching import default_partition
-from tests.factories import BASE_TIME, scrape, send_records, total, wait_for
+from tests.factories import BASE_TIME, published_versions, scrape, send_records, total, wait_for
 from tests.integration.test_contracts_pipeline import CHECK_COLUMNS, _contracts, plugin_site, register
 from tests.integration.test_credit import raw_workload
 from tests.integration.test_llm_judge import JudgeServer
@@ -40,7 +40,7 @@ from tests.unit.test_contracts import workload as contracts_workload
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
 from topics.ids import uuid7
-from topics.names import DISPATCH, LIFECYCLE, REWARD, STATE_DELTA, STATE_VERSION, TOOL_RESULT
+from topics.names import DISPATCH, LIFECYCLE, REWARD, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
 from treadle.devstack.worker_process import WorkerProcess
 
@@ -287,41 +287,6 @@ def check_diff(want: set[tuple], got: set[tuple], limit: int = 8) -> str:
 def check_rows(records: list[dict]) -> set[tuple]:
     """The CHECK_COLUMNS tuples of the ContractCheck records among `records`."""
     return {tuple(r[c] for c in CHECK_FIELDS) for r in records if "check_id" in r}
-
-
-async def published_versions(settings: Settings, sessions: list[str]) -> dict[str, list[dict]]:
-    """Each session's StateVersion records as the state processor published them on `state_versions` (what the
-    contracts processor folds), one per ordinal, in ordinal order. A replay after a crash or a rebalance publishes a
-    commit's versions again: each must be the one published before (versions are published only once committed)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    topic, codec = TopicCatalog(settings)["state_versions"].name, AvroCodec()
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers, enable_auto_commit=False)
-    await consumer.start()
-    chains: dict[str, dict[int, dict]] = {session: {} for session in sessions}
-    try:
-        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        remaining = {tp for tp in tps if end[tp] > 0}
-        deadline = time.monotonic() + 60
-        while remaining and time.monotonic() < deadline:
-            for tp, messages in (await consumer.getmany(*remaining, timeout_ms=500)).items():
-                for message in messages:
-                    if message.offset >= end[tp]:
-                        break
-                    _, version = codec.decode(message.value, STATE_VERSION)
-                    chain = chains.get(version["session_id"])
-                    if chain is not None:
-                        first = chain.setdefault(version["ordinal"], version)
-                        assert first == version, f"two versions published as one ordinal: {first} and {version}"
-                    if message.offset + 1 >= end[tp]:
-                        remaining.discard(tp)
-        assert not remaining, f"did not read {topic} to its end: {remaining}"
-    finally:
-        await consumer.stop()
-    return {session: [chain[o] for o in sorted(chain)] for session, chain in chains.items()}
 
 
 def whole_chain(versions: list[dict], events: list[tuple[str, dict]]) -> bool:

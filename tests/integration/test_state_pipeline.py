@@ -9,6 +9,7 @@ tables (tombstones in the changelog) and Redis, and keeps its history in ClickHo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 
@@ -20,9 +21,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from processors.state.cache import StateCache, connect, redis_url
 from processors.state.graph import MemoryStore, SessionState, StateFold
 from sinks.sql_client import run_sql
-from tests.factories import scrape, send_records, total, wait_for
-from tests.integration.test_state_graph import arrival, build, delta, env
-from topics.names import LIFECYCLE, STATE_DELTA
+from streams.sdk.batching import default_partition
+from tests.factories import published_versions, scrape, send_records, total, wait_for
+from tests.integration.test_state_graph import arrival, build, delta, dispatch, env
+from topics.names import DISPATCH, LIFECYCLE, STATE_DELTA
 from topics.settings import Settings
 from treadle import AgentStreamSync
 from treadle.state.history import state_at
@@ -320,3 +322,47 @@ def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(depl
     assert refused >= 1  # the refusal is counted like any dead letter
     assert len(distinct_versions(settings, closed)) == len(ids) - 1
     assert changelog_last(settings, "state-graph", prefix) == graph_keys  # nothing written for it again
+
+
+def test_a_lagging_worker_applies_a_backlog_in_seq_order(deployment, worker_factory):
+    """A session's dispatch (seq 0) is behind 3,000 other sessions' dispatches on its partition and its delta (seq 1)
+    alone on the deltas partition, all in Kafka before the worker starts: the worker reads the delta about a second
+    before the dispatch (batches of 500), past TREADLE_STATE_IDLE_FLUSH_S (0.2 s here). A flush then would apply the
+    delta first and the dispatch late (versions that depend on how far behind the worker was); since the dispatch was
+    in Kafka when the delta began to wait, the delta waits until the worker folded that far (at most
+    TREADLE_STATE_IDLE_FLUSH_MAX_S), so the versions are the in-order fold's, none late. (With
+    TREADLE_STATE_IDLE_FLUSH_MAX_S=0, the old rule, this failed 3 of 3 runs: the delta was ordinal 1.)"""
+    settings = deployment.model_copy(update={"state_idle_flush_s": 0.2, "process_batch_size": 500})
+    prefix, partitions = settings.topic_prefix, settings.partitions
+    target = f"{prefix}-lagging"
+    partition = default_partition(target.encode(), partitions)
+    names = (f"{prefix}-f{i}" for i in itertools.count())
+    same = (n for n in names if default_partition(n.encode(), partitions) == partition)
+    fillers = list(itertools.islice(same, 3_000))
+    t0 = int(time.time() * 1_000_000)
+    mine = [
+        (DISPATCH, dispatch(0, t0 + len(fillers), f"{target}-step0", "write", session=target)),
+        (STATE_DELTA, delta(1, t0 + len(fillers) + 1, ups=[("n0", "note", {"v": 1}, None)], session=target)),
+    ]
+    others = [(DISPATCH, dispatch(0, t0 + i, f"{f}-step0", "search", session=f)) for i, f in enumerate(fillers)]
+    # The delta's record timestamp 1.5 s before the dispatches' (more than TREADLE_INPUT_MAX_SKEW_S): the input
+    # alignment reads it first, whichever partition the worker's first fetches bring.
+    asyncio.run(send_records(settings, mine[1:]))
+    time.sleep(1.5)
+    asyncio.run(send_records(settings, [*others, mine[0]]))
+    worker = worker_factory(settings).start()
+    worker.wait_ready()
+
+    def published() -> dict[str, list[dict]] | None:
+        chains = asyncio.run(published_versions(settings, [target, *fillers]))
+        return chains if all(chains.values()) and len(chains[target]) == 2 else None
+
+    chains = wait_for(published, 180, "every session's versions")
+    fold, state, store = StateFold(), SessionState(target), MemoryStore()
+    expected = [v for schema, record in mine for v in fold.accept(state, store, schema, record).versions]
+    request = fold.flush_request(state)
+    expected += fold.flush(state, store, request).versions if request else []
+    got = chains[target]
+    assert [(v["ordinal"], v["seq"], v["late"]) for v in got] == [(1, 0, False), (2, 1, False)]
+    assert [v["version_id"] for v in got] == [v["version_id"] for v in expected]
+    assert all(len(chains[f]) == 1 and not chains[f][0]["late"] for f in fillers)
