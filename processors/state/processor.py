@@ -433,7 +433,13 @@ class StateProcessor:
             if not self._scanned:
                 self._scan_waiting()
             now = time.monotonic()
-            due = [session for session, wait in self._waiting.items() if self._flush_due(now - wait.since, wait)]
+            due = {}
+            for session, wait in self._waiting.items():
+                kind = self._flush_due(now - wait.since, wait)
+                if kind is not None:
+                    due[session] = kind
+                    ctx.metrics.state_flushes.labels(kind).inc()
+            self._warn_long_waits(sum(kind == "long" for kind in due.values()))
             requests = []
             for session in due:
                 partition = self._waiting.pop(session).partition
@@ -460,26 +466,37 @@ class StateProcessor:
         ends = [highwater(TopicPartition(t, partition)) if highwater else None for t in self._ordered_topics]
         return _Wait(partition, time.monotonic(), oldest, ends)
 
-    def _flush_due(self, waited_s: float, wait: _Wait) -> bool:
-        """Whether a session that waited `waited_s` for its other topics is flushed now: after `state_idle_flush_s`
-        once this worker folded what its ordered input partitions held when the wait began (what the session waits
-        for was not among it), else after `state_idle_flush_max_s` (a lagging worker)."""
+    def _flush_due(self, waited_s: float, wait: _Wait) -> str | None:
+        """Whether a session that waited `waited_s` for its other topics is flushed now: "short" after
+        `state_idle_flush_s` once this worker folded what its ordered input partitions held when the wait began
+        (what the session waits for was not among it), "long" after `state_idle_flush_max_s` (a lagging worker)."""
         assert self.settings is not None and self.app is not None
         if waited_s < self.settings.state_idle_flush_s:
-            return False
+            return None
         if waited_s >= self.settings.state_idle_flush_max_s:
-            return True
+            return "long"
         consumer = self.app.consumer
         if not hasattr(consumer, "folded_to"):
-            return True
+            return "short"
         for i, topic in enumerate(self._ordered_topics):
             tp = TopicPartition(topic, wait.partition)
             if wait.ends[i] is None:  # no fetch had reported it when the wait began: what it reports now
                 wait.ends[i] = consumer.highwater(tp)
             end, folded = wait.ends[i], consumer.folded_to(tp)
             if end is not None and folded is not None and folded < end:
-                return False
-        return True
+                return None
+        return "short"
+
+    def _warn_long_waits(self, sessions: int) -> None:
+        """One line per sweep, when sessions were flushed at the long wait: the worker is that far behind."""
+        if not sessions:
+            return
+        assert self.settings is not None
+        log.warning("state: %d session(s) applied after waiting TREADLE_STATE_IDLE_FLUSH_MAX_S=%gs while this worker "
+                    "had not yet folded what their input partitions held; events of theirs still unread will be "
+                    "applied late (flagged `late`). The worker lags: add workers (up to TREADLE_PARTITIONS=%d) or "
+                    "raise TREADLE_STATE_IDLE_FLUSH_MAX_S.", sessions, self.settings.state_idle_flush_max_s,
+                    self.settings.partitions)  # fmt: skip
 
     def _scan_waiting(self) -> None:
         """Find sessions restored from the changelog with a waiting buffer (after a restart or rebalance)."""

@@ -41,6 +41,7 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_isolated_failures_total": "counter",
     "treadle_refused_outputs_total": "counter",
     "treadle_state_limit_refusals_total": "counter",
+    "treadle_state_flushes_total": "counter",
     "treadle_processor_info": "gauge",
     "treadle_processor_events_in_total": "counter",
     "treadle_processor_records_out_total": "counter",
@@ -220,6 +221,14 @@ class WorkerMetrics:
             "Input events refused because they would take a per-key table value (a step, a session's state graph, an "
             "episode, a judged step) past its size limit; each is a PROCESS dead letter, by processor.",
             ["processor"],
+            registry=r,
+        )
+        self.state_flushes = Counter(
+            "treadle_state_flushes",
+            "Sessions whose state reorder buffer was applied before every state topic passed its seq: after the "
+            "short wait (TREADLE_STATE_IDLE_FLUSH_S, the worker had folded what was in Kafka) or the long one "
+            "(TREADLE_STATE_IDLE_FLUSH_MAX_S, the worker lagged), by wait.",
+            ["wait"],
             registry=r,
         )
         self.isolated_failures = Counter(

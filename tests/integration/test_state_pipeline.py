@@ -324,15 +324,18 @@ def test_a_closed_session_leaves_the_worker_and_redis_and_keeps_its_history(depl
     assert changelog_last(settings, "state-graph", prefix) == graph_keys  # nothing written for it again
 
 
-def test_a_lagging_worker_applies_a_backlog_in_seq_order(deployment, worker_factory):
+@pytest.mark.parametrize("long_wait_s", [30.0, 0.0], ids=["waits_while_behind", "long_wait_off"])
+def test_a_lagging_worker_applies_a_backlog_in_seq_order(deployment, worker_factory, long_wait_s):
     """A session's dispatch (seq 0) is behind 3,000 other sessions' dispatches on its partition and its delta (seq 1)
     alone on the deltas partition, all in Kafka before the worker starts: the worker reads the delta about a second
-    before the dispatch (batches of 500), past TREADLE_STATE_IDLE_FLUSH_S (0.2 s here). A flush then would apply the
-    delta first and the dispatch late (versions that depend on how far behind the worker was); since the dispatch was
-    in Kafka when the delta began to wait, the delta waits until the worker folded that far (at most
-    TREADLE_STATE_IDLE_FLUSH_MAX_S), so the versions are the in-order fold's, none late. (With
-    TREADLE_STATE_IDLE_FLUSH_MAX_S=0, the old rule, this failed 3 of 3 runs: the delta was ordinal 1.)"""
-    settings = deployment.model_copy(update={"state_idle_flush_s": 0.2, "process_batch_size": 500})
+    before the dispatch (batches of 500), past TREADLE_STATE_IDLE_FLUSH_S (0.2 s here). Since the dispatch was in
+    Kafka when the delta began to wait, the delta waits until the worker folded that far (at most
+    TREADLE_STATE_IDLE_FLUSH_MAX_S), so the versions are the in-order fold's, none late, whatever the worker's lag.
+    With the long wait off (0 s, the rule before it existed) the delta is applied first and the dispatch late, the
+    `long` flushes are counted and the worker says it lags."""
+    settings = deployment.model_copy(
+        update={"state_idle_flush_s": 0.2, "state_idle_flush_max_s": long_wait_s, "process_batch_size": 500}
+    )
     prefix, partitions = settings.topic_prefix, settings.partitions
     target = f"{prefix}-lagging"
     partition = default_partition(target.encode(), partitions)
@@ -358,11 +361,18 @@ def test_a_lagging_worker_applies_a_backlog_in_seq_order(deployment, worker_fact
         return chains if all(chains.values()) and len(chains[target]) == 2 else None
 
     chains = wait_for(published, 180, "every session's versions")
+    got = chains[target]
+    assert all(len(chains[f]) == 1 and not chains[f][0]["late"] for f in fillers)
+    samples = scrape(settings)
+    assert total(samples, "treadle_state_flushes_total", wait="short" if long_wait_s else "long") >= len(fillers)
+    if not long_wait_s:
+        assert [(v["ordinal"], v["seq"], v["late"]) for v in got] == [(1, 1, False), (2, 0, True)]
+        assert "session(s) applied after waiting TREADLE_STATE_IDLE_FLUSH_MAX_S=0s" in worker.log_path.read_text()
+        return
     fold, state, store = StateFold(), SessionState(target), MemoryStore()
     expected = [v for schema, record in mine for v in fold.accept(state, store, schema, record).versions]
     request = fold.flush_request(state)
     expected += fold.flush(state, store, request).versions if request else []
-    got = chains[target]
     assert [(v["ordinal"], v["seq"], v["late"]) for v in got] == [(1, 0, False), (2, 1, False)]
     assert [v["version_id"] for v in got] == [v["version_id"] for v in expected]
-    assert all(len(chains[f]) == 1 and not chains[f][0]["late"] for f in fillers)
+    assert total(samples, "treadle_state_flushes_total", wait="long") == 0
