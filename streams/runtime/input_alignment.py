@@ -99,8 +99,7 @@ def records_behind(consumer: Any, tp: TopicPartition) -> int | None:
     records or not), or `consumer` is None."""
     if consumer is None:
         return None
-    subscription = consumer._subscription.subscription
-    state = subscription.assignment.state_value(tp) if subscription is not None else None
+    state = _fetch_state(consumer, tp)
     if state is None:
         return 0
     if state.highwater is None or not state.has_valid_position:
@@ -111,8 +110,13 @@ def records_behind(consumer: Any, tp: TopicPartition) -> int | None:
 def fetch_offsets(consumer: Any, tp: TopicPartition) -> tuple[int | None, int | None]:
     """`tp`'s (consumed position, last highwater a fetch reported), each None while unknown (not assigned, not
     fetched yet, `consumer` None)."""
-    subscription = consumer._subscription.subscription if consumer is not None else None
-    state = subscription.assignment.state_value(tp) if subscription is not None else None
+    state = _fetch_state(consumer, tp) if consumer is not None else None
     if state is None:
         return None, None
     return (state.position if state.has_valid_position else None), state.highwater
+
+
+def _fetch_state(consumer: Any, tp: TopicPartition) -> Any:
+    """aiokafka's TopicPartitionState of `tp`; None when it is not assigned."""
+    subscription = consumer._subscription.subscription
+    return subscription.assignment.state_value(tp) if subscription is not None else None

@@ -12,7 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streams.runtime.input_alignment import InputAlignment, records_behind, records_left
+from streams.runtime.input_alignment import InputAlignment, fetch_offsets, records_behind, records_left
 from topics.settings import Settings
 
 ACTIONS, RESULTS, REWARDS, CHANGELOG = "actions", "tool_results", "rewards", "steps-changelog"
@@ -123,7 +123,7 @@ def test_what_is_held_is_exactly_what_reads_ahead_of_a_laggard(read: dict, with_
             assert slowest in readable
 
 
-def test_records_left_and_behind_follow_aiokafka_position_and_highwater(stack: Settings) -> None:
+def test_records_left_behind_and_fetch_offsets_follow_aiokafka_position_and_highwater(stack: Settings) -> None:
     asyncio.run(_records_left(stack))
 
 
@@ -148,17 +148,20 @@ async def _records_left(settings: Settings) -> None:
         tp = TP(topic, 0)  # Faust's own TP type: aiokafka's state is looked up by (topic, partition)
         assigned = TopicPartition(topic, 0)
         assert not records_left(consumer, tp) and records_behind(consumer, tp) == 0  # not assigned
+        assert fetch_offsets(consumer, tp) == (None, None)
         consumer.assign([assigned])
         await consumer.seek_to_beginning(assigned)
         assert not records_left(consumer, tp) and records_behind(consumer, tp) is None  # no fetch yet: no highwater
         first = await consumer.getmany(assigned, timeout_ms=5000, max_records=4)
         assert len(first[assigned]) == 4
         assert records_left(consumer, tp) and records_behind(consumer, tp) == 6  # buffered or not
+        assert fetch_offsets(consumer, tp) == (4, 10)
         read = 4
         while read < 10:
             batch = await consumer.getmany(assigned, timeout_ms=5000)
             read += len(batch.get(assigned, []))
         assert not records_left(consumer, tp) and records_behind(consumer, tp) == 0
+        assert fetch_offsets(consumer, tp) == (10, 10)
     finally:
         await consumer.stop()
-    assert not records_left(None, tp) and records_behind(None, tp) is None
+    assert not records_left(None, tp) and records_behind(None, tp) is None and fetch_offsets(None, tp) == (None, None)
