@@ -7,13 +7,15 @@ what the graph holds is bounded and any growth of the worker's memory is the wor
 
 Every 10 s: the worker's RSS and CPU, and the StateVersions it has published (one per input event). At the end:
 the RSS slope over the second half (least squares, MB per minute; flat is the target), and whether the worker kept
-up (versions behind the events sent).
+up (versions behind the events sent); from its /metrics, how many sessions the idle flush applied after the short
+wait and after the long one (the worker lagged), and how many still wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import tempfile
 import time
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from bench.common import bench_settings, cpu_seconds, loadavg, local_stack, machine_facts
 from bench.state_bench import step_events
-from bench.weaving_report import rss_mb
+from bench.weaving_report import metric, rss_mb, scrape, slope_mb_per_min
 from topics.names import DISPATCH, STATE_DELTA, TOOL_RESULT
 from topics.settings import Settings
 
@@ -39,18 +41,24 @@ class Sample:
     versions: int
 
 
-def slope_mb_per_min(samples: list[Sample]) -> float | None:
-    """Least-squares slope of RSS (MB per minute) over the second half of the samples."""
-    points = [(s.at_s / 60, s.rss_mb) for s in samples[len(samples) // 2 :] if s.rss_mb is not None]
-    if len(points) < 2:
-        return None
-    mean_t = sum(t for t, _ in points) / len(points)
-    mean_m = sum(m for _, m in points) / len(points)
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    return sum((t - mean_t) * (m - mean_m) for t, m in points) / spread if spread else None
+def second_half_slope(samples: list[Sample]) -> float | None:
+    """Least-squares slope of RSS (MB per minute) over the second half of the samples; None if it has no spread."""
+    slope = slope_mb_per_min([(s.at_s, s.rss_mb) for s in samples[len(samples) // 2 :] if s.rss_mb is not None])
+    return None if math.isnan(slope) else slope
 
 
-async def _soak(settings: Settings, args: argparse.Namespace) -> list[Sample]:
+def state_waits(text: str) -> str:
+    """How the worker's reorder buffers were released (treadle_state_flushes_total, ..._waiting_sessions), in words."""
+    if not text:
+        return "state waits: no metrics (/metrics did not answer)"
+    short = metric(text, 'treadle_state_flushes_total{wait="short"}') or 0.0
+    long = metric(text, 'treadle_state_flushes_total{wait="long"}') or 0.0
+    waiting = metric(text, "treadle_state_waiting_sessions") or 0.0
+    return (f"state waits: sessions applied by the idle flush {short:,.0f} (short wait) and {long:,.0f} (long wait: "
+            f"the worker lagged); sessions waiting at the end {waiting:,.0f}")  # fmt: skip
+
+
+async def _soak(settings: Settings, args: argparse.Namespace) -> tuple[list[Sample], str]:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
     from bench.worker_bench import BenchWorker
@@ -68,6 +76,7 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> list[Sample]:
         argv = [sys.executable, "-m", "bench.traced_worker"]
     worker = BenchWorker(settings, pin=False, argv=argv, env=env).start()
     samples: list[Sample] = []
+    metrics = ""
     try:
         await asyncio.to_thread(worker.wait_ready, 180)
         producer = AIOKafkaProducer(**producer_config(settings, client_id="state-soak"))
@@ -111,13 +120,14 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> list[Sample]:
                 await asyncio.sleep(1)
             end = time.perf_counter() - started
             samples.append(Sample(end, rss_mb(worker.pid), cpu_seconds(worker.pid), sent, versions))
+            metrics = await asyncio.to_thread(scrape, settings.web_port)
         finally:
             counter.cancel()
             await producer.stop()
             await consumer.stop()
     finally:
         worker.stop()
-    return samples
+    return samples, metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,17 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         settings = bench_settings(Path(home), f"statesoak{int(time.time())}", 4)
         settings = settings.model_copy(update={"processors": ("state",), "sink": "off"})
         with local_stack(settings):
-            samples = asyncio.run(_soak(settings, args))
+            samples, metrics = asyncio.run(_soak(settings, args))
     first, last = samples[0], samples[-1]
     minutes = (last.at_s - first.at_s) / 60 or 1.0
     cpu = (last.cpu_s or 0.0) - (first.cpu_s or 0.0)  # to the end of the catch-up wait: the work of every event
-    slope = slope_mb_per_min(samples)
+    slope = second_half_slope(samples)
     print(f"sent {last.sent_events:,} events ({last.sent_events / 3 / (args.minutes * 60):,.0f} deltas/s); versions "
           f"published {last.versions:,} ({last.sent_events - last.versions:,} behind at the end); worker CPU "
           f"{cpu / (minutes * 60):.0%} of a core")  # fmt: skip
     rss = [s.rss_mb for s in samples if s.rss_mb is not None]
     print(f"worker RSS: first {rss[0]:.0f} MB, peak {max(rss):.0f} MB, last {rss[-1]:.0f} MB; slope over the second "
           f"half {'n/a' if slope is None else f'{slope:+.2f} MB/min'}; load {loadavg()}")  # fmt: skip
+    print(state_waits(metrics))
     return 1 if args.strict and last.versions < last.sent_events else 0
 
 

@@ -448,6 +448,7 @@ class StateProcessor:
                 request = self.fold.flush_request(work.state)
                 if request is not None:
                     requests.append((session, partition, request))
+            ctx.metrics.state_waiting.set(len(self._waiting))
         for session, partition, request in requests:
             value = orjson.dumps({"session": session, "upto": request.upto, "seen": request.seen})
             await ticks.send(key=session.encode(), value=value, partition=partition)

@@ -42,6 +42,7 @@ METRIC_FAMILIES: dict[str, str] = {
     "treadle_refused_outputs_total": "counter",
     "treadle_state_limit_refusals_total": "counter",
     "treadle_state_flushes_total": "counter",
+    "treadle_state_waiting_sessions": "gauge",
     "treadle_processor_info": "gauge",
     "treadle_processor_events_in_total": "counter",
     "treadle_processor_records_out_total": "counter",
@@ -229,6 +230,12 @@ class WorkerMetrics:
             "short wait (TREADLE_STATE_IDLE_FLUSH_S, the worker had folded what was in Kafka) or the long one "
             "(TREADLE_STATE_IDLE_FLUSH_MAX_S, the worker lagged), by wait.",
             ["wait"],
+            registry=r,
+        )
+        self.state_waiting = Gauge(
+            "treadle_state_waiting_sessions",
+            "Sessions whose state reorder buffer holds events not applied yet, at the last sweep: a session's latest "
+            "events wait until every state topic passed their seq or TREADLE_STATE_IDLE_FLUSH_S.",
             registry=r,
         )
         self.isolated_failures = Counter(

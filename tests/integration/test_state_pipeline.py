@@ -376,3 +376,24 @@ def test_a_lagging_worker_applies_a_backlog_in_seq_order(deployment, worker_fact
     assert [(v["ordinal"], v["seq"], v["late"]) for v in got] == [(1, 0, False), (2, 1, False)]
     assert [v["version_id"] for v in got] == [v["version_id"] for v in expected]
     assert total(samples, "treadle_state_flushes_total", wait="long") == 0
+
+
+def test_a_session_with_an_unapplied_event_is_counted_as_waiting_until_its_idle_flush(deployment, worker_factory):
+    """A lone dispatch waits for the session's other state topics to pass its seq: the session counts in
+    treadle_state_waiting_sessions until TREADLE_STATE_IDLE_FLUSH_S (5 s here) applies it, then no longer."""
+    settings = deployment.model_copy(update={"state_idle_flush_s": 5.0})
+    session = f"{settings.topic_prefix}-waits"
+    worker = worker_factory(settings).start()
+    worker.wait_ready()
+    assert total(scrape(settings), "treadle_state_waiting_sessions") == 0
+    now = int(time.time() * 1_000_000)
+    asyncio.run(send_records(settings, [(DISPATCH, dispatch(0, now, f"{session}-step0", "write", session=session))]))
+
+    def waiting() -> float:
+        return total(scrape(settings), "treadle_state_waiting_sessions")
+
+    wait_for(lambda: waiting() == 1, 30, "the session counted as waiting", explain=lambda: f"gauge {waiting()}")
+    chains = wait_for(lambda: asyncio.run(published_versions(settings, [session]))[session] or None, 60, "its version")
+    assert [(v["ordinal"], v["seq"]) for v in chains] == [(1, 0)]
+    wait_for(lambda: waiting() == 0, 30, "the session no longer counted", explain=lambda: f"gauge {waiting()}")
+    assert total(scrape(settings), "treadle_state_flushes_total", wait="short") == 1
