@@ -385,13 +385,13 @@ def test_a_session_with_an_unapplied_event_is_counted_as_waiting_until_its_idle_
     session = f"{settings.topic_prefix}-waits"
     worker = worker_factory(settings).start()
     worker.wait_ready()
-    assert total(scrape(settings), "treadle_state_waiting_sessions") == 0
-    now = int(time.time() * 1_000_000)
-    asyncio.run(send_records(settings, [(DISPATCH, dispatch(0, now, f"{session}-step0", "write", session=session))]))
 
     def waiting() -> float:
         return total(scrape(settings), "treadle_state_waiting_sessions")
 
+    assert waiting() == 0
+    now = int(time.time() * 1_000_000)
+    asyncio.run(send_records(settings, [(DISPATCH, dispatch(0, now, f"{session}-step0", "write", session=session))]))
     wait_for(lambda: waiting() == 1, 30, "the session counted as waiting", explain=lambda: f"gauge {waiting()}")
     chains = wait_for(lambda: asyncio.run(published_versions(settings, [session]))[session] or None, 60, "its version")
     assert [(v["ordinal"], v["seq"]) for v in chains] == [(1, 0)]
