@@ -161,7 +161,7 @@ def run_contracts(inputs: list[tuple[str, bytes]], versions: list[bytes], book: 
                     "sha256": hashlib.sha256(value).hexdigest(), "size_bytes": len(value),
                     "attributes": env["attributes"], "event_time": env["event_time"]}  # fmt: skip
         codec.encode(STEP_EVIDENCE, evidence)
-    for start in range(0, len(versions), 100):  # the agent's side, per batch
+    for start in range(0, len(versions), 100):  # the versions' side, per batch
         sessions: dict[str, SessionContracts] = {}
         for value in versions[start : start + 100]:
             _, version = codec.decode(value, STATE_VERSION)
@@ -369,7 +369,7 @@ def worker_run(
     """Put `backlog` ((topic kind, key, value)) in Kafka under a fresh prefix, start the worker, time its catch-up.
 
     StateVersions are produced once the worker has read its first input record (FirstInput, where the clock starts),
-    as fast as the broker takes them: the contracts processor reads them in an agent of its own, which would otherwise
+    as fast as the broker takes them: the contracts processor reads them apart from its inputs, which would otherwise
     fold some before that record and leave their cost out of the count."""
     import asyncio
 

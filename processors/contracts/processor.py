@@ -2,8 +2,8 @@
 
 Two inputs. Dispatches and tool results (handed like any processor's input) give one StepEvidence each: a SHA-256
 of the event's bytes as received and its envelope attributes. The state processor's StateVersion records (read
-back from `state_versions` by an agent of this processor, co-partitioned with the inputs) drive the contract
-fold (processors.contracts.fold), which publishes ContractCheck records and `contract` RewardSignals.
+back from `state_versions`, co-partitioned with the inputs, a fetch at a time: ResumingApp.read_in_batches) drive
+the contract fold (processors.contracts.fold), which publishes ContractCheck records and `contract` RewardSignals.
 
 Crash safety, per batch of versions: the outputs are published and acked first, then each changed session's fold
 record goes to the changelog (acked), then to the local table. A kill -9 before the record is acked redoes the
@@ -23,6 +23,7 @@ import faust
 
 from processors.contracts.fold import ContractBook, SessionContracts, check_records, contract_signal, fold
 from streams.runtime import table_writes
+from streams.runtime.faust_transport import ResumingApp
 from streams.runtime.processor import InputEvent, ProcessingContext
 from topics.catalog import TopicCatalog
 from topics.codec import AvroCodec
@@ -34,7 +35,6 @@ from topics.settings import Settings
 log = logging.getLogger(__name__)
 
 _REFRESH_S = 5.0
-_BATCH = 500
 
 
 def evidence_record(event: InputEvent) -> dict[str, Any]:
@@ -71,10 +71,13 @@ class ContractsProcessor:
         self._loaded = asyncio.Event()
         self._attached = asyncio.Event()
         self._codec = AvroCodec()
+        self._crash: asyncio.Future[Any] | None = None  # the app's crash a failed batch started (kept referenced)
         if book is not None:
             self._loaded.set()
 
     def setup(self, app: faust.App, settings: Settings) -> None:
+        if not isinstance(app, ResumingApp):
+            raise TypeError("the contracts processor reads StateVersions through the worker's app (build_pipeline)")
         self.app = app
         if "state" not in settings.processors:
             log.warning("the contracts processor checks steps against the state graph's versions, but the state "
@@ -89,13 +92,19 @@ class ContractsProcessor:
         )
         versions = app.topic(catalog["state_versions"].name, key_serializer="raw", value_serializer="raw")
 
-        @app.agent(versions, name=f"{self.name}-versions")
-        async def contracts_versions(stream: faust.StreamT) -> None:
-            async for events in stream.take_events(_BATCH, within=0.05):
-                await self._attached.wait()
-                await self._loaded.wait()
-                assert self.ctx is not None
-                await self.on_versions([(e.message.partition, e.value) for e in events], self.ctx)
+        async def read_versions(messages: list[Any]) -> None:
+            await self._attached.wait()
+            await self._loaded.wait()
+            assert self.ctx is not None
+            try:
+                await self.on_versions([(m.partition, m.value) for m in messages], self.ctx)
+            except Exception as exc:  # unacked, so folded again after the restart
+                log.critical("the contracts processor failed on a batch of %d StateVersions, stopping: %r",
+                             len(messages), exc)  # fmt: skip
+                self._crash = asyncio.ensure_future(app.crash(exc))
+                raise
+
+        app.read_in_batches(versions, read_versions)
 
         @app.task
         async def contracts_start() -> None:

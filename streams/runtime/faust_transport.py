@@ -116,11 +116,13 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _fetching_s: float = 0.0  # seconds spent in fetches: InputAlignment's clock (why not wall time: its doc)
     _hole_tries: dict[Any, tuple[int, int]]  # partition read whole -> (offset read again from, times)
     _in_batch: dict[Any, int]  # input partition -> offset of its first record in the batch being read or folded
+    _beside: dict[str, asyncio.Future[None]]  # topic read in batches of its own -> its batch being handled
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._next_input = {}
         self._in_batch = {}
+        self._beside = {}
         self._whole_topics = {}
         self._hole_tries = {}
         deliver = self.callback
@@ -183,11 +185,8 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                         await self._read_into(batch, max(0.0, deadline - time.monotonic()))
                         if len(batch) == had and time.monotonic() >= deadline:
                             break  # nothing more fetched, and the linger is over
-                    if batch and self._may_deliver(revocations):
-                        self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
-                        await self._deliver(app.batch_handler, batch)
-                    elif batch:
-                        await self._read_again(batch)
+                    if batch:
+                        await self._hand_over(app.batch_handler, batch, revocations)
                 finally:
                     self._in_batch.clear()
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
@@ -197,6 +196,14 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             if not self.transport.app.should_stop:
                 raise
             log.info("broker stopped the consumer while the worker stops")
+
+    async def _hand_over(self, handle: BatchHandler | None, batch: list[Any], revocations: int) -> None:
+        """`batch` to `handle` (acked once it returns) when no rebalance began since it was read, else read again."""
+        if self._may_deliver(revocations):
+            self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
+            await self._deliver(handle, batch)
+        else:
+            await self._read_again(batch)
 
     def _may_deliver(self, revocations: int) -> bool:
         """Whether a batch read since the app's `revocations` count was this may be folded: no rebalance began.
@@ -227,9 +234,11 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                  "again from %s", len(batch), where)  # fmt: skip
 
     async def _read_into(self, batch: list[Any], timeout: float) -> None:
-        """One getmany: records of batch topics are tracked and added to `batch`, others delivered as Faust does."""
+        """One getmany: records of batch topics are tracked and added to `batch`; those of a topic read in batches of
+        its own (ResumingApp.read_in_batches) go to its handler once the getmany ends; others as Faust delivers."""
         app: ResumingApp = self.app  # type: ignore[assignment]
-        batch_topics = app.batch_topics
+        batch_topics, side_handlers, side = app.batch_topics, app.side_handlers, {}
+        revocations = app.revocations
         read_offset = self._read_offset
         alignment = self._input_alignment()
         reads_whole = self._whole_topics
@@ -258,18 +267,37 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 batch.append(message)
                 self._in_batch.setdefault(tp, offset)
                 alignment.read(tp, message.timestamp)
+            elif tp.topic in side_handlers:
+                side.setdefault(tp.topic, []).append(message)
             else:
                 await self.wait_first(self.callback(message), self.suspend_flow.wait())
             read_offset[tp] = offset
+        for topic, records in side.items():
+            await self._hand_over_beside(topic, side_handlers[topic], records, revocations)
+
+    async def _hand_over_beside(self, topic: str, handle: BatchHandler, batch: list[Any], revocations: int) -> None:
+        """A batch of a topic read in batches of its own, handled beside the fetch loop (which goes on reading and
+        folding the inputs while the handler awaits its acks), one batch of each topic at a time, in order."""
+        running = self._beside.get(topic)
+        if running is not None and not running.done():
+            await asyncio.shield(running)  # the batch before this one finishes first (and holds the fetch loop)
+        elif running is not None and not running.cancelled() and running.exception() is not None:
+            raise running.exception()  # type: ignore[misc]
+        if not self._may_deliver(revocations):
+            await self._read_again(batch)
+            return
+        self._unacked_messages.add(batch[0])  # in flight from here: a rebalance waits for its acks
+        handled = self._beside[topic] = asyncio.ensure_future(self._deliver(handle, batch))
+        handled.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen: raised on the next batch
 
     def _reads_whole(self, topic: str) -> bool:
         """Whether a hole in `topic`'s offsets read here is read again (_went_past_a_hole) rather than committed past.
 
-        The batch topics, and every topic an agent reads with acks on (its offsets are committed) that is written
-        without transactions and never compacted: treadle's own (ResumingApp.gapless_topics) and the app's internal
-        ones. Their offsets are contiguous, so a hole is records a fetch dropped. Faust's own answer to a hole is to
-        ack it as a gap, which for an agent's input (the contracts processor reads the state processor's
-        StateVersions with one) lost the records in it: a step with no postcondition check after a rebalance and a
+        The batch topics, and every topic an agent (or ResumingApp.read_in_batches) reads with acks on (its offsets
+        are committed) that is written without transactions and never compacted: treadle's own
+        (ResumingApp.gapless_topics) and the app's internal ones. Their offsets are contiguous, so a hole is records a fetch dropped. Faust's own answer to a hole is to
+        ack it as a gap, which for an agent's input (the contracts processor read the state processor's
+        StateVersions with one then) lost the records in it: a step with no postcondition check after a rebalance and a
         kill -9 (seen once in CI). Table changelogs are compacted, so their holes are real; so are the commit markers
         of a topic written with transactions (another system's, read by a plugin's agent): those keep Faust's way."""
         app: ResumingApp = self.app  # type: ignore[assignment]
@@ -568,6 +596,7 @@ class ResumingApp(faust.App):
     # an agent reading one gets the batch topics' hole check (ResumingConsumer._reads_whole).
     gapless_topics: frozenset[str] = frozenset()
     batch_handler: BatchHandler | None = None
+    side_handlers: dict[str, BatchHandler]  # topic -> its handler (read_in_batches)
     batch_max_records: int = 1000
     batch_linger_s: float = 0.0
     input_max_skew_s: float = MAX_SKEW_S  # how far (record time) an input partition may read ahead of the others
@@ -582,6 +611,7 @@ class ResumingApp(faust.App):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.before_commit = []
+        self.side_handlers = {}
         self._hooks_timed_out = False
         self.revocations = 0  # rebalances begun (each revokes every partition first): ResumingConsumer._may_deliver
 
@@ -639,6 +669,15 @@ class ResumingApp(faust.App):
         self.batch_max_records = max_records
         self.batch_linger_s = linger_s
         self.input_max_skew_s = max_skew_s
+        self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
+
+    def read_in_batches(self, topic: faust.TopicT, handler: BatchHandler) -> None:
+        """Consume `topic` without an agent and apart from the inputs (no alignment with them): `handler` gets the
+        records of each fetch (one getmany) as they came, and they are acked once it returns, as an agent's are
+        after its loop body. An agent cost ~200 µs of the worker's CPU per record (Faust hands each one over through
+        tasks of its own: `wait_first`, the conductor, the stream's queue), more than most handlers spend on it."""
+        for name in topic.topics:
+            self.side_handlers[name] = handler
         self.topics.add(topic)  # the conductor subscribes to it; its records never reach a channel
 
     def input_backlog(self, partition: int) -> int | None:

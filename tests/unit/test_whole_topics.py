@@ -1,6 +1,7 @@
 """Which topics the worker's fetch loop reads whole (ResumingConsumer._reads_whole): a record handed out past
 records it never handed out sends the partition back to the first of them, instead of Faust acking them as a gap.
-A CI run lost a step's contract check that way: the contracts processor reads StateVersions with an agent."""
+A CI run lost a step's contract check that way, when the contracts processor read StateVersions with an agent (now
+in batches of its own: ResumingApp.read_in_batches); the state processor's flush requests still have one."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ async def test_inputs_and_agent_topics_are_read_whole_but_not_changelogs_or_comp
     catalog = TopicCatalog(settings)
     inputs = sorted(app.batch_topics)
     assert inputs and all(consumer._reads_whole(name) for name in inputs)
-    assert consumer._reads_whole(catalog["state_versions"].name)  # the contracts processor's agent
+    assert consumer._reads_whole(catalog["state_versions"].name)  # the contracts processor's, read in batches of its own
     assert consumer._reads_whole(f"{settings.app_id}-state-ticks")  # the state processor's flush requests
     changelogs = {table.changelog_topic.get_topic_name() for table in app.tables.values()}
     assert changelogs and not any(consumer._reads_whole(name) for name in changelogs)
