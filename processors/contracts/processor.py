@@ -71,7 +71,6 @@ class ContractsProcessor:
         self._loaded = asyncio.Event()
         self._attached = asyncio.Event()
         self._codec = AvroCodec()
-        self._crash: asyncio.Future[Any] | None = None  # the app's crash a failed batch started (kept referenced)
         if book is not None:
             self._loaded.set()
 
@@ -96,13 +95,7 @@ class ContractsProcessor:
             await self._attached.wait()
             await self._loaded.wait()
             assert self.ctx is not None
-            try:
-                await self.on_versions([(m.partition, m.value) for m in messages], self.ctx)
-            except Exception as exc:  # unacked, so folded again after the restart
-                log.critical("the contracts processor failed on a batch of %d StateVersions, stopping: %r",
-                             len(messages), exc)  # fmt: skip
-                self._crash = asyncio.ensure_future(app.crash(exc))
-                raise
+            await self.on_versions([(m.partition, m.value) for m in messages], self.ctx)
 
         app.read_in_batches(versions, read_versions)
 

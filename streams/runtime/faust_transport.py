@@ -49,6 +49,7 @@ table values) run, not after: what is acked while a hook awaits waits for the ne
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import time
@@ -117,6 +118,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _hole_tries: dict[Any, tuple[int, int]]  # partition read whole -> (offset read again from, times)
     _in_batch: dict[Any, int]  # input partition -> offset of its first record in the batch being read or folded
     _beside: dict[str, asyncio.Future[None]]  # topic read in batches of its own -> its batch being handled
+    _beside_crash: asyncio.Future[Any] | None = None  # the crash a failed handler started
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -288,18 +290,29 @@ class ResumingConsumer(faust_aiokafka.Consumer):
             return
         self._unacked_messages.add(batch[0])  # in flight from here: a rebalance waits for its acks
         handled = self._beside[topic] = asyncio.ensure_future(self._deliver(handle, batch))
-        handled.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen: raised on the next batch
+        handled.add_done_callback(functools.partial(self._on_beside_done, topic, len(batch)))
+
+    def _on_beside_done(self, topic: str, size: int, done: asyncio.Future[None]) -> None:
+        """A handler that raised stops the worker: its batch is not acked, and nothing after it on its partitions
+        could be committed, so its records are handled again after the restart."""
+        if done.cancelled() or done.exception() is None:
+            return
+        exc = done.exception()
+        log.critical("the handler of %s failed on a batch of %d records, stopping (they are read again after the "
+                     "restart): %r", topic, size, exc)  # fmt: skip
+        self._beside_crash = asyncio.ensure_future(self.crash(exc))  # type: ignore[arg-type]
 
     def _reads_whole(self, topic: str) -> bool:
         """Whether a hole in `topic`'s offsets read here is read again (_went_past_a_hole) rather than committed past.
 
         The batch topics, and every topic an agent (or ResumingApp.read_in_batches) reads with acks on (its offsets
         are committed) that is written without transactions and never compacted: treadle's own
-        (ResumingApp.gapless_topics) and the app's internal ones. Their offsets are contiguous, so a hole is records a fetch dropped. Faust's own answer to a hole is to
-        ack it as a gap, which for an agent's input (the contracts processor read the state processor's
-        StateVersions with one then) lost the records in it: a step with no postcondition check after a rebalance and a
-        kill -9 (seen once in CI). Table changelogs are compacted, so their holes are real; so are the commit markers
-        of a topic written with transactions (another system's, read by a plugin's agent): those keep Faust's way."""
+        (ResumingApp.gapless_topics) and the app's internal ones. Their offsets are contiguous, so a hole is records
+        a fetch dropped. Faust's own answer to a hole is to ack it as a gap, which for an agent's input (the contracts
+        processor read the state processor's StateVersions with one then) lost the records in it: a step with no
+        postcondition check after a rebalance and a kill -9 (seen once in CI). Table changelogs are compacted, so
+        their holes are real; so are the commit markers of a topic written with transactions (another system's,
+        read by a plugin's agent): those keep Faust's way."""
         app: ResumingApp = self.app  # type: ignore[assignment]
         if topic in app.batch_topics:
             return True

@@ -22,6 +22,12 @@ class FetchLoop:
         self.revocations = 0
         self.acked: list[list[int]] = []
         self.read_again: list[list[int]] = []
+        self.crashed: list[BaseException] = []
+
+    _on_beside_done = ResumingConsumer._on_beside_done
+
+    async def crash(self, reason: BaseException) -> None:
+        self.crashed.append(reason)
 
     def _may_deliver(self, revocations: int) -> bool:
         return revocations == self.revocations
@@ -77,7 +83,7 @@ async def test_two_topics_are_handled_side_by_side() -> None:
     assert sorted(loop.acked) == [[1], [2]]
 
 
-async def test_a_failed_batch_is_not_acked_and_stops_the_fetch_loop_at_the_next_hand_over() -> None:
+async def test_a_failed_batch_is_not_acked_stops_the_worker_and_the_fetch_loop_at_the_next_hand_over() -> None:
     loop = FetchLoop()
 
     async def handle(batch: list[int]) -> None:
@@ -86,6 +92,7 @@ async def test_a_failed_batch_is_not_acked_and_stops_the_fetch_loop_at_the_next_
 
     await loop.hand_over(handle, [1])
     await asyncio.sleep(0.01)
+    assert [str(exc) for exc in loop.crashed] == ["fold failed"]
     with pytest.raises(RuntimeError, match="fold failed"):
         await loop.hand_over(handle, [2])
     assert loop.acked == []

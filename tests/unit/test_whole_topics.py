@@ -39,7 +39,7 @@ async def test_inputs_and_agent_topics_are_read_whole_but_not_changelogs_or_comp
     catalog = TopicCatalog(settings)
     inputs = sorted(app.batch_topics)
     assert inputs and all(consumer._reads_whole(name) for name in inputs)
-    assert consumer._reads_whole(catalog["state_versions"].name)  # the contracts processor's, read in batches of its own
+    assert consumer._reads_whole(catalog["state_versions"].name)  # the contracts processor's (read_in_batches)
     assert consumer._reads_whole(f"{settings.app_id}-state-ticks")  # the state processor's flush requests
     changelogs = {table.changelog_topic.get_topic_name() for table in app.tables.values()}
     assert changelogs and not any(consumer._reads_whole(name) for name in changelogs)
