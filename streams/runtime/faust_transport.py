@@ -117,14 +117,14 @@ class ResumingConsumer(faust_aiokafka.Consumer):
     _fetching_s: float = 0.0  # seconds spent in fetches: InputAlignment's clock (why not wall time: its doc)
     _hole_tries: dict[Any, tuple[int, int]]  # partition read whole -> (offset read again from, times)
     _in_batch: dict[Any, int]  # input partition -> offset of its first record in the batch being read or folded
-    _beside: dict[str, asyncio.Future[None]]  # topic read in batches of its own -> its batch being handled
-    _beside_crash: asyncio.Future[Any] | None = None  # the crash a failed handler started
+    _side_batches: dict[str, asyncio.Future[None]]  # topic read in batches of its own -> its batch being handled
+    _side_crash: asyncio.Future[Any] | None = None  # the crash a failed handler of such a topic started
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._next_input = {}
         self._in_batch = {}
-        self._beside = {}
+        self._side_batches = {}
         self._whole_topics = {}
         self._hole_tries = {}
         deliver = self.callback
@@ -201,11 +201,18 @@ class ResumingConsumer(faust_aiokafka.Consumer):
 
     async def _hand_over(self, handle: BatchHandler | None, batch: list[Any], revocations: int) -> None:
         """`batch` to `handle` (acked once it returns) when no rebalance began since it was read, else read again."""
-        if self._may_deliver(revocations):
-            self._unacked_messages.add(batch[0])  # it stands for the batch: a rebalance waits for its acks
+        if self._in_flight(batch, revocations):
             await self._deliver(handle, batch)
         else:
             await self._read_again(batch)
+
+    def _in_flight(self, batch: list[Any], revocations: int) -> bool:
+        """Whether `batch` may be handled (_may_deliver); if so it is in flight from here: a rebalance waits for its
+        acks (its first record stands for it among Faust's unacked messages)."""
+        if not self._may_deliver(revocations):
+            return False
+        self._unacked_messages.add(batch[0])
+        return True
 
     def _may_deliver(self, revocations: int) -> bool:
         """Whether a batch read since the app's `revocations` count was this may be folded: no rebalance began.
@@ -275,24 +282,21 @@ class ResumingConsumer(faust_aiokafka.Consumer):
                 await self.wait_first(self.callback(message), self.suspend_flow.wait())
             read_offset[tp] = offset
         for topic, records in side.items():
-            await self._hand_over_beside(topic, side_handlers[topic], records, revocations)
+            await self._hand_over_side(topic, side_handlers[topic], records, revocations)
 
-    async def _hand_over_beside(self, topic: str, handle: BatchHandler, batch: list[Any], revocations: int) -> None:
+    async def _hand_over_side(self, topic: str, handle: BatchHandler, batch: list[Any], revocations: int) -> None:
         """A batch of a topic read in batches of its own, handled beside the fetch loop (which goes on reading and
         folding the inputs while the handler awaits its acks), one batch of each topic at a time, in order."""
-        running = self._beside.get(topic)
-        if running is not None and not running.done():
-            await asyncio.shield(running)  # the batch before this one finishes first (and holds the fetch loop)
-        elif running is not None and not running.cancelled() and running.exception() is not None:
-            raise running.exception()  # type: ignore[misc]
-        if not self._may_deliver(revocations):
+        running = self._side_batches.get(topic)
+        if running is not None and not running.cancelled():
+            await asyncio.shield(running)  # the batch before this one finishes first; one that failed raises here
+        if not self._in_flight(batch, revocations):
             await self._read_again(batch)
             return
-        self._unacked_messages.add(batch[0])  # in flight from here: a rebalance waits for its acks
-        handled = self._beside[topic] = asyncio.ensure_future(self._deliver(handle, batch))
-        handled.add_done_callback(functools.partial(self._on_beside_done, topic, len(batch)))
+        handled = self._side_batches[topic] = asyncio.ensure_future(self._deliver(handle, batch))
+        handled.add_done_callback(functools.partial(self._on_side_done, topic, len(batch)))
 
-    def _on_beside_done(self, topic: str, size: int, done: asyncio.Future[None]) -> None:
+    def _on_side_done(self, topic: str, size: int, done: asyncio.Future[None]) -> None:
         """A handler that raised stops the worker: its batch is not acked, and nothing after it on its partitions
         could be committed, so its records are handled again after the restart."""
         if done.cancelled() or done.exception() is None:
@@ -300,7 +304,7 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         exc = done.exception()
         log.critical("the handler of %s failed on a batch of %d records, stopping (they are read again after the "
                      "restart): %r", topic, size, exc)  # fmt: skip
-        self._beside_crash = asyncio.ensure_future(self.crash(exc))  # type: ignore[arg-type]
+        self._side_crash = asyncio.ensure_future(self.crash(exc))  # type: ignore[arg-type]
 
     def _reads_whole(self, topic: str) -> bool:
         """Whether a hole in `topic`'s offsets read here is read again (_went_past_a_hole) rather than committed past.

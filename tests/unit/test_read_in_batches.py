@@ -14,17 +14,18 @@ from streams.runtime.faust_transport import ResumingConsumer
 
 
 class FetchLoop:
-    """The parts of a ResumingConsumer that ResumingConsumer._hand_over_beside touches, recording what happens."""
+    """The parts of a ResumingConsumer that ResumingConsumer._hand_over_side touches, recording what happens."""
 
     def __init__(self) -> None:
-        self._beside: dict[str, asyncio.Future[None]] = {}
+        self._side_batches: dict[str, asyncio.Future[None]] = {}
         self._unacked_messages: set[Any] = set()
         self.revocations = 0
         self.acked: list[list[int]] = []
         self.read_again: list[list[int]] = []
         self.crashed: list[BaseException] = []
 
-    _on_beside_done = ResumingConsumer._on_beside_done
+    _on_side_done = ResumingConsumer._on_side_done
+    _in_flight = ResumingConsumer._in_flight
 
     async def crash(self, reason: BaseException) -> None:
         self.crashed.append(reason)
@@ -41,7 +42,7 @@ class FetchLoop:
         self.acked.append(batch)
 
     async def hand_over(self, handle: Any, batch: list[int], topic: str = "versions") -> None:
-        await ResumingConsumer._hand_over_beside(self, topic, handle, batch, self.revocations)  # type: ignore[arg-type]
+        await ResumingConsumer._hand_over_side(self, topic, handle, batch, self.revocations)  # type: ignore[arg-type]
 
 
 async def test_batches_are_handled_beside_the_fetch_loop_one_at_a_time_and_in_order() -> None:
@@ -62,7 +63,7 @@ async def test_batches_are_handled_beside_the_fetch_loop_one_at_a_time_and_in_or
     assert not second.done() and events == [("start", 1)]  # the next batch waits for the one before it
     release.set()
     await second
-    await loop._beside["versions"]
+    await loop._side_batches["versions"]
     assert events == [("start", 1), ("end", 1), ("start", 3), ("end", 3)]
     assert loop.acked == [[1, 2], [3]] and loop._unacked_messages == set()
 
@@ -79,7 +80,7 @@ async def test_two_topics_are_handled_side_by_side() -> None:
 
     await loop.hand_over(handle, [1], topic="a")
     await loop.hand_over(handle, [2], topic="b")
-    await asyncio.gather(loop._beside["a"], loop._beside["b"])
+    await asyncio.gather(loop._side_batches["a"], loop._side_batches["b"])
     assert sorted(loop.acked) == [[1], [2]]
 
 
@@ -106,5 +107,5 @@ async def test_a_batch_read_across_a_rebalance_is_read_again_not_handled() -> No
 
     read_at = loop.revocations
     loop.revocations += 1  # a rebalance began after the read
-    await ResumingConsumer._hand_over_beside(loop, "versions", handle, [7, 8], read_at)  # type: ignore[arg-type]
+    await ResumingConsumer._hand_over_side(loop, "versions", handle, [7, 8], read_at)  # type: ignore[arg-type]
     assert loop.read_again == [[7, 8]] and handled == [] and loop._unacked_messages == set()
