@@ -19,7 +19,8 @@ Early release. A timer notices sessions whose oldest buffered event waited `stat
 flush request (with each topic's head) to the internal `<app id>-state-ticks` topic on the session's
 partition; this processor's agent applies it under the same commit protocol. Being in the log, a flush
 replays; its heads make it release on a replay exactly what it released the first time. Until the worker has
-folded what the session's input partitions held when the wait began (a lagging worker), the wait is up to
+folded what the session's input partitions held once the short wait was up (their end offsets, asked of the
+broker then; a lagging worker), the wait is up to
 `state_idle_flush_max_s` instead: what the session waits for is most likely among those records, and releasing
 early would make the versions depend on how far behind the worker was.
 
@@ -114,13 +115,15 @@ class _Work:
 
 @dataclass(slots=True)
 class _Wait:
-    """A session whose oldest buffered event waits for its other topics: since when, and each ordered input
-    partition's end offset then (None until known): the worker folds up to those before a short wait ends."""
+    """A session whose oldest buffered event waits for its other topics: since when, and its ordered input
+    partitions' end offsets, asked of the broker once the short wait is up (None until then): the worker folds up
+    to those before the short wait ends. Asked, not taken from the last fetch: a partition not fetched yet, or
+    paused by the input alignment, has no end offset there or an old one."""
 
     partition: int
     since: float
     oldest: str  # event id
-    ends: list[int | None]
+    ends: list[int] | None = None
 
 
 class StateProcessor:
@@ -402,7 +405,7 @@ class StateProcessor:
         known = self._waiting.get(work.session)
         oldest = buffer[0].event_id
         if known is None or known.oldest != oldest:
-            self._waiting[work.session] = self._wait(work.partition, oldest)
+            self._waiting[work.session] = _Wait(work.partition, time.monotonic(), oldest)
 
     def _dead_letter(self, schema_name: str, record: dict[str, Any], reason: str) -> dict[str, Any]:
         env = record["envelope"]
@@ -428,6 +431,10 @@ class StateProcessor:
         assert self.settings is not None and self.app is not None
         if not self.app.tables.actives_ready:
             return  # recovering: the tables are not complete yet
+        idle_s = self.settings.state_idle_flush_s
+        unasked = [w for w in self._waiting.values() if w.ends is None and time.monotonic() - w.since >= idle_s]
+        if unasked and hasattr(self.app.consumer, "folded_to"):
+            await self._ask_ends(unasked)  # outside the lock: the fold goes on meanwhile
         async with self._lock:
             self._check_assignment()
             if not self._scanned:
@@ -461,16 +468,10 @@ class StateProcessor:
         if wiped or self._gaps:
             await self._rebuild_cache(None if wiped else set(self._gaps), ctx)
 
-    def _wait(self, partition: int, oldest: str) -> _Wait:
-        assert self.app is not None
-        highwater = getattr(self.app.consumer, "highwater", None)  # ResumingConsumer's; Faust's has none
-        ends = [highwater(TopicPartition(t, partition)) if highwater else None for t in self._ordered_topics]
-        return _Wait(partition, time.monotonic(), oldest, ends)
-
     def _flush_due(self, waited_s: float, wait: _Wait) -> str | None:
         """Whether a session that waited `waited_s` for its other topics is flushed now: "short" after
-        `state_idle_flush_s` once this worker folded what its ordered input partitions held when the wait began
-        (what the session waits for was not among it), "long" after `state_idle_flush_max_s` (a lagging worker)."""
+        `state_idle_flush_s` once this worker folded what its ordered input partitions held then (`wait.ends`;
+        what the session waits for was not among it), "long" after `state_idle_flush_max_s` (a lagging worker)."""
         assert self.settings is not None and self.app is not None
         if waited_s < self.settings.state_idle_flush_s:
             return None
@@ -479,14 +480,30 @@ class StateProcessor:
         consumer = self.app.consumer
         if not hasattr(consumer, "folded_to"):
             return "short"
-        for i, topic in enumerate(self._ordered_topics):
-            tp = TopicPartition(topic, wait.partition)
-            if wait.ends[i] is None:  # no fetch had reported it when the wait began: what it reports now
-                wait.ends[i] = consumer.highwater(tp)
-            end, folded = wait.ends[i], consumer.folded_to(tp)
-            if end is not None and folded is not None and folded < end:
+        if wait.ends is None:
+            return None  # the sweep asks the broker for them
+        for topic, end in zip(self._ordered_topics, wait.ends, strict=True):
+            folded = consumer.folded_to(TopicPartition(topic, wait.partition))
+            if folded is None or folded < end:
                 return None
         return "short"
+
+    async def _ask_ends(self, waits: list[_Wait]) -> None:
+        """Fill in the end offsets of `waits` (one ListOffsets request); left unknown if the broker does not
+        answer, so those sessions wait until `state_idle_flush_max_s` at most."""
+        assert self.app is not None
+        tps = {TopicPartition(t, w.partition) for w in waits for t in self._ordered_topics}
+        try:
+            ends = await self.app.consumer.highwaters(*tps)
+        except Exception as exc:
+            log.warning("state: could not ask the broker for the input partitions' end offsets (%s); sessions waiting "
+                        "for their other topics are applied after TREADLE_STATE_IDLE_FLUSH_MAX_S until it answers",
+                        exc)  # fmt: skip
+            return
+        for wait in waits:
+            known = [ends.get(TopicPartition(t, wait.partition)) for t in self._ordered_topics]
+            if None not in known:
+                wait.ends = known
 
     def _warn_long_waits(self, sessions: int) -> None:
         """One line per sweep, when sessions were flushed at the long wait: the worker is that far behind."""
@@ -506,7 +523,7 @@ class StateProcessor:
             state = SessionState.from_dict(orjson.loads(raw)["state"])
             if state.buffer and state.session_id not in self._waiting:
                 partition = (murmur2(key) & 0x7FFFFFFF) % self.settings.partitions  # Kafka's default partitioner
-                self._waiting[state.session_id] = self._wait(partition, state.buffer[0].event_id)
+                self._waiting[state.session_id] = _Wait(partition, time.monotonic(), state.buffer[0].event_id)
         self._scanned = True
 
     async def _rebuild_cache(self, only: set[str] | None, ctx: ProcessingContext) -> None:

@@ -452,10 +452,6 @@ class ResumingConsumer(faust_aiokafka.Consumer):
         first = self._in_batch.get(tp)
         return first if first is not None else fetch_offsets(self.aiokafka_consumer, tp)[0]
 
-    def highwater(self, tp: Any) -> int | None:
-        """`tp`'s end offset as the last fetch reported it; None while unknown."""
-        return fetch_offsets(self.aiokafka_consumer, tp)[1]
-
     @property
     def aiokafka_consumer(self) -> Any:
         """aiokafka's consumer, run in Faust's consumer thread (positions, highwaters); None before it starts."""
