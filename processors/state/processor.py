@@ -19,10 +19,10 @@ Early release. A timer notices sessions whose oldest buffered event waited `stat
 flush request (with each topic's head) to the internal `<app id>-state-ticks` topic on the session's
 partition; this processor's agent applies it under the same commit protocol. Being in the log, a flush
 replays; its heads make it release on a replay exactly what it released the first time. Until the worker has
-folded what the session's input partitions held once the short wait was up (their end offsets, asked of the
-broker then; a lagging worker), the wait is up to
-`state_idle_flush_max_s` instead: what the session waits for is most likely among those records, and releasing
-early would make the versions depend on how far behind the worker was.
+folded what the session's input partitions held when the wait began (their end offsets, asked of the broker at
+the next sweep; a lagging worker), the wait is up to `state_idle_flush_max_s` instead: what the session waits for
+is most likely among those records, and releasing early would make the versions depend on how far behind the
+worker was.
 
 Ending a session. SESSION_CLOSED/ARCHIVED ends a session once released (processors/state/graph.py). The
 commit that ends it is acked first (its record, with `ended` set, is the marker), then its versions are
@@ -116,9 +116,9 @@ class _Work:
 @dataclass(slots=True)
 class _Wait:
     """A session whose oldest buffered event waits for its other topics: since when, and its ordered input
-    partitions' end offsets, asked of the broker once the short wait is up (None until then): the worker folds up
-    to those before the short wait ends. Asked, not taken from the last fetch: a partition not fetched yet, or
-    paused by the input alignment, has no end offset there or an old one."""
+    partitions' end offsets then, asked of the broker at the next sweep (None until it answers): the worker folds up
+    to those before a short wait ends. Asked, not taken from the last fetch: a partition not fetched yet, or paused
+    by the input alignment, has no end offset there or an old one."""
 
     partition: int
     since: float
@@ -431,8 +431,7 @@ class StateProcessor:
         assert self.settings is not None and self.app is not None
         if not self.app.tables.actives_ready:
             return  # recovering: the tables are not complete yet
-        idle_s = self.settings.state_idle_flush_s
-        unasked = [w for w in self._waiting.values() if w.ends is None and time.monotonic() - w.since >= idle_s]
+        unasked = [w for w in self._waiting.values() if w.ends is None]
         if unasked and hasattr(self.app.consumer, "folded_to"):
             await self._ask_ends(unasked)  # outside the lock: the fold goes on meanwhile
         async with self._lock:
@@ -481,7 +480,7 @@ class StateProcessor:
         if not hasattr(consumer, "folded_to"):
             return "short"
         if wait.ends is None:
-            return None  # the sweep asks the broker for them
+            return None  # not known yet: the next sweep asks the broker again
         for topic, end in zip(self._ordered_topics, wait.ends, strict=True):
             folded = consumer.folded_to(TopicPartition(topic, wait.partition))
             if folded is None or folded < end:
