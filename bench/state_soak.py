@@ -5,10 +5,12 @@ agent steps, each a dispatch, a tool result and a delta of 5 node upserts (bench
 deltas/s for `--minutes`. A session updates a working set of `--working-set` steps' nodes (node ids repeat), so
 what the graph holds is bounded and any growth of the worker's memory is the worker's, not the workload's.
 
-Every 10 s: the worker's RSS and CPU, and the StateVersions it has published (one per input event). At the end:
-the RSS slope over the second half (least squares, MB per minute; flat is the target), and whether the worker kept
-up (versions behind the events sent); from its /metrics, how many sessions the idle flush applied after the short
-wait and after the long one (the worker lagged), and how many still wait.
+Every 10 s: the worker's RSS and CPU, its RocksDB memory (treadle_rocksdb_memory_bytes, the shared cache bounded by
+TREADLE_TABLE_MEMORY_MB), and the StateVersions it has published (one per input event). At the end: the RSS slope
+over the second half (least squares, MB per minute; flat is the target), split into RocksDB and the rest (the Python
+heap and other native memory), and whether the worker kept up (versions behind the events sent); from its
+/metrics, how many sessions the idle flush applied after the short wait and after the long one (the worker
+lagged), and how many still wait.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +42,30 @@ class Sample:
     cpu_s: float | None
     sent_events: int
     versions: int
+    rocksdb_mb: float | None = None
 
 
-def second_half_slope(samples: list[Sample]) -> float | None:
-    """Least-squares slope of RSS (MB per minute) over the second half of the samples; None if it has no spread."""
-    slope = slope_mb_per_min([(s.at_s, s.rss_mb) for s in samples[len(samples) // 2 :] if s.rss_mb is not None])
+def second_half_slope(samples: list[Sample], mb: Callable[[Sample], float | None] = lambda s: s.rss_mb) -> float | None:
+    """Least-squares slope of `mb` (RSS by default; MB per minute) over the second half of the samples; None if it
+    has no spread."""
+    points = [(s.at_s, value) for s in samples[len(samples) // 2 :] if (value := mb(s)) is not None]
+    slope = slope_mb_per_min(points)
     return None if math.isnan(slope) else slope
+
+
+def _rss_less_rocksdb(s: Sample) -> float | None:
+    return None if s.rss_mb is None or s.rocksdb_mb is None else s.rss_mb - s.rocksdb_mb
+
+
+def _slope_words(slope: float | None) -> str:
+    return "n/a" if slope is None else f"{slope:+.2f} MB/min"
+
+
+def _sample(settings: Settings, worker_pid: int, at_s: float, sent: int, versions: int) -> Sample:
+    """One sample; its RocksDB memory from the worker's /metrics (None if it does not answer within 5 s)."""
+    rocksdb = metric(scrape(settings.web_port), 'treadle_rocksdb_memory_bytes{kind="cache"}')
+    rocksdb_mb = None if rocksdb is None else rocksdb / 2**20
+    return Sample(at_s, rss_mb(worker_pid), cpu_seconds(worker_pid), sent, versions, rocksdb_mb)
 
 
 def state_waits(text: str) -> str:
@@ -99,9 +120,12 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> tuple[list[Samp
             next_sample, duration = 0.0, args.minutes * 60
             while (elapsed := time.perf_counter() - started) < duration:
                 if elapsed >= next_sample:
-                    samples.append(Sample(elapsed, rss_mb(worker.pid), cpu_seconds(worker.pid), sent, versions))
-                    print(f"  {elapsed:6.0f}s  RSS {samples[-1].rss_mb or 0:7.1f} MB  sent {sent:>10,}  "
-                          f"versions {versions:>10,}", flush=True)  # fmt: skip
+                    sample = await asyncio.to_thread(_sample, settings, worker.pid, elapsed, sent, versions)
+                    samples.append(sample)
+                    rocksdb = "n/a" if sample.rocksdb_mb is None else f"{sample.rocksdb_mb:5.1f}"
+                    print(f"  {elapsed:6.0f}s  RSS {sample.rss_mb or 0:7.1f} MB  RocksDB {rocksdb} MB  "
+                          f"sent {sent:>10,}  versions {versions:>10,}  behind {sent - versions:>8,}",
+                          flush=True)  # fmt: skip
                     next_sample += SAMPLE_EVERY_S
                 due = int(elapsed * args.rate) + 1
                 while step < due:
@@ -119,7 +143,7 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> tuple[list[Samp
             while versions < sent and time.perf_counter() < deadline:
                 await asyncio.sleep(1)
             end = time.perf_counter() - started
-            samples.append(Sample(end, rss_mb(worker.pid), cpu_seconds(worker.pid), sent, versions))
+            samples.append(await asyncio.to_thread(_sample, settings, worker.pid, end, sent, versions))
             metrics = await asyncio.to_thread(scrape, settings.web_port)
         finally:
             counter.cancel()
@@ -161,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cpu / (minutes * 60):.0%} of a core")  # fmt: skip
     rss = [s.rss_mb for s in samples if s.rss_mb is not None]
     print(f"worker RSS: first {rss[0]:.0f} MB, peak {max(rss):.0f} MB, last {rss[-1]:.0f} MB; slope over the second "
-          f"half {'n/a' if slope is None else f'{slope:+.2f} MB/min'}; load {loadavg()}")  # fmt: skip
+          f"half {_slope_words(slope)} (RocksDB {_slope_words(second_half_slope(samples, lambda s: s.rocksdb_mb))}, "
+          f"the rest {_slope_words(second_half_slope(samples, _rss_less_rocksdb))}); load {loadavg()}")  # fmt: skip
     print(state_waits(metrics))
     return 1 if args.strict and last.versions < last.sent_events else 0
 
