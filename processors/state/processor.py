@@ -432,7 +432,8 @@ class StateProcessor:
         if not self.app.tables.actives_ready:
             return  # recovering: the tables are not complete yet
         unasked = [w for w in self._waiting.values() if w.ends is None]
-        if unasked and hasattr(self.app.consumer, "folded_to"):
+        long_wait = self.settings.state_idle_flush_max_s > self.settings.state_idle_flush_s
+        if unasked and long_wait and hasattr(self.app.consumer, "folded_to"):
             await self._ask_ends(unasked)  # outside the lock: the fold goes on meanwhile
         async with self._lock:
             self._check_assignment()
