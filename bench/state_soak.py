@@ -61,9 +61,9 @@ def _slope_words(slope: float | None) -> str:
     return "n/a" if slope is None else f"{slope:+.2f} MB/min"
 
 
-def _sample(settings: Settings, worker_pid: int, at_s: float, sent: int, versions: int) -> Sample:
-    """One sample; its RocksDB memory from the worker's /metrics (None if it does not answer within 5 s)."""
-    rocksdb = metric(scrape(settings.web_port), 'treadle_rocksdb_memory_bytes{kind="cache"}')
+def _sample(page: str, worker_pid: int, at_s: float, sent: int, versions: int) -> Sample:
+    """One sample; its RocksDB memory from the worker's /metrics `page` (None if it did not answer)."""
+    rocksdb = metric(page, 'treadle_rocksdb_memory_bytes{kind="cache"}')
     rocksdb_mb = None if rocksdb is None else rocksdb / 2**20
     return Sample(at_s, rss_mb(worker_pid), cpu_seconds(worker_pid), sent, versions, rocksdb_mb)
 
@@ -120,7 +120,8 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> tuple[list[Samp
             next_sample, duration = 0.0, args.minutes * 60
             while (elapsed := time.perf_counter() - started) < duration:
                 if elapsed >= next_sample:
-                    sample = await asyncio.to_thread(_sample, settings, worker.pid, elapsed, sent, versions)
+                    page = await asyncio.to_thread(scrape, settings.web_port)
+                    sample = _sample(page, worker.pid, elapsed, sent, versions)
                     samples.append(sample)
                     rocksdb = "n/a" if sample.rocksdb_mb is None else f"{sample.rocksdb_mb:5.1f}"
                     print(f"  {elapsed:6.0f}s  RSS {sample.rss_mb or 0:7.1f} MB  RocksDB {rocksdb} MB  "
@@ -143,8 +144,8 @@ async def _soak(settings: Settings, args: argparse.Namespace) -> tuple[list[Samp
             while versions < sent and time.perf_counter() < deadline:
                 await asyncio.sleep(1)
             end = time.perf_counter() - started
-            samples.append(await asyncio.to_thread(_sample, settings, worker.pid, end, sent, versions))
             metrics = await asyncio.to_thread(scrape, settings.web_port)
+            samples.append(_sample(metrics, worker.pid, end, sent, versions))
         finally:
             counter.cancel()
             await producer.stop()
