@@ -3,6 +3,7 @@
 1. Worker: a real `treadle worker` with TREADLE_PROCESSORS=state (sink off, own local stack) folds agent steps
    (dispatch + tool result + a delta of 5 node upserts, across sessions); the clock stops when every StateVersion
    is on the state_versions topic. Baseline, same run, same events: the worker with TREADLE_PROCESSORS=steps.
+   Each prints its CPU per input event it reads, beside the CPU per input event the 10,000 deltas/s target leaves.
 2. Fold on one core, in process: the same fold over an in-memory store, state serialized per batch of 100.
    Baseline: the same deltas applied to a plain dict.
 3. History on chDB, one session grown to --nodes live nodes by the fold (updates and deletes, so there are more
@@ -470,6 +471,13 @@ def _rows_state(settings: Any, ordinal: int) -> Any:
 # -- 1. worker ----------------------------------------------------------------------------------------------------
 
 
+_TARGET_DELTAS_PER_CPU_S = 10_000  # issue #28's target, per worker core
+# Input events each worker reads per step: the state processor reads the delta, the dispatch and the tool result;
+# the steps processor the dispatch and the result (deltas are not its input). Its per-event CPU is the per-event
+# cost of the project's most worked-on path on the same input, the floor the state worker's budget is set against.
+_EVENTS_READ = {"state": 3, "steps": 2}
+
+
 def bench_worker(steps: int, sessions: int, partitions: int, timeout: float, profile: Path | None = None) -> list[str]:
     """deltas/s through a real worker with the state processor; the steps-only worker is the baseline."""
     from bench.common import bench_settings, local_stack
@@ -498,9 +506,11 @@ def bench_worker(steps: int, sessions: int, partitions: int, timeout: float, pro
                 label = "state processor" if processors == ("state",) else "  baseline: steps processor"
                 what = "StateVersions" if processors == ("state",) else "final Transitions"
                 status = "" if done else f" (TIMED OUT, {done}/{what})"
+                read = _EVENTS_READ[processors[0]] * steps
                 lines.append(
                     f"{label:<40} {steps / elapsed:9,.0f} deltas/s  {3 * steps / elapsed:9,.0f} events/s "
-                    f"({elapsed:.1f}s until every {what[:-1]}; {steps / cpu:,.0f} deltas per worker CPU second){status}"
+                    f"({elapsed:.1f}s until every {what[:-1]}; {steps / cpu:,.0f} deltas per worker CPU second; "
+                    f"{cpu / read * 1e6:,.0f} us of worker CPU per input event it reads){status}"
                 )
                 if processors == ("state",):
                     state_settings = settings
@@ -512,6 +522,8 @@ def bench_worker(steps: int, sessions: int, partitions: int, timeout: float, pro
             state_rate = rates["state"]
             ratios = f"state / steps {state_rate / rates['steps']:.3f}; state / raw {3 * state_rate / raw:.3f}"
             lines.append(f"{ratios}; target >= 10,000 deltas/s; load {loadavg()}")
+            budget = 1e6 / (_TARGET_DELTAS_PER_CPU_S * _EVENTS_READ["state"])
+            lines.append(f"the target leaves the state worker {budget:.0f} us of CPU per input event it reads")
     return lines
 
 
