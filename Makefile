@@ -66,6 +66,7 @@ bench-smoke: install
 	$(BIN)/python -m bench.weaving_bench --quick --only throughput --only latency --duration 10
 	$(BIN)/python -m bench.state_bench --nodes 2000 --deltas 1000 --steps 200 --sessions 4 --runs 3
 	$(BIN)/python -m bench.state_soak --minutes 0.25 --rate 100 --sessions 10 --strict
+	$(BIN)/python -m bench.cache_read_bench --nodes 1000 --runs 3
 	$(BIN)/python -m bench.plans_bench --plans 60 --repeats 1 --codec
 	$(BIN)/python -m bench.plans_recovery_bench --plans 50
 	$(BIN)/python -m bench.contracts_bench --quick

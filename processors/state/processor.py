@@ -32,8 +32,8 @@ that purge of whatever keys are left, so a crash in between only delays it. What
 is its small commit record: the marker that sends later events to dead letters ("session ... ended") and
 recognises redeliveries. The session's Redis keys get an expiry of `state_ended_ttl_s`.
 
-Latest state goes to Redis after every commit (processors/state/cache.py); when the cache lost a session (a
-gap) or was wiped (no epoch key), the timer rewrites the sessions this worker owns from the tables.
+Latest state goes to Redis after every commit (StateCache); when the cache lost a session (a gap) or was wiped
+(no epoch key, or one of an older layout), the timer rewrites the sessions this worker owns from the tables.
 """
 
 from __future__ import annotations
