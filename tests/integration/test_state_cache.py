@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -63,16 +63,18 @@ class Session:
 
 
 @pytest.fixture
-def cache(deployment: Settings) -> Iterator[StateCache]:
+def run() -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    """Runs a coroutine to its end, on one loop for the whole test (the Redis client is bound to it)."""
     loop = asyncio.new_event_loop()
+    yield loop.run_until_complete
+    loop.close()
+
+
+@pytest.fixture
+def cache(deployment: Settings, run: Callable[[Awaitable[Any]], Any]) -> Iterator[StateCache]:
     client = connect(deployment)
-    state_cache = StateCache(client, deployment.topic_prefix)
-    state_cache.run = loop.run_until_complete  # type: ignore[attr-defined]
-    try:
-        yield state_cache
-    finally:
-        loop.run_until_complete(client.aclose())
-        loop.close()
+    yield StateCache(client, deployment.topic_prefix)
+    run(client.aclose())
 
 
 def content(graph: StateGraph | None) -> tuple[dict[str, tuple[str, Any, Any]], set[tuple[str, str, str, str]]]:
@@ -81,17 +83,17 @@ def content(graph: StateGraph | None) -> tuple[dict[str, tuple[str, Any, Any]], 
     return nodes, {(e.src, e.dst, e.type, orjson.dumps(e.data).decode()) for e in graph.edges}
 
 
-def test_expired_nodes_are_left_out_until_a_version_overwrites_or_deletes_them(cache):
+def test_expired_nodes_are_left_out_until_a_version_overwrites_or_deletes_them(cache, run):
     t0 = ahead()
     s = Session("ttl")
     versions = [
         s.apply(delta("ttl", 0, t0, [node("keep", v=1), node("short", ttl=10, v=2), node("long", ttl=100, v=3)])),
         s.apply(delta("ttl", 1, t0 + SECOND, [node("again", ttl=10, v=4)])),
     ]
-    assert cache.run(cache.apply_versions(versions)) == set()
+    assert run(cache.apply_versions(versions)) == set()
 
     def ids(at: int) -> list[str]:
-        graph = cache.run(cache.read("ttl", now_micros=at))
+        graph = run(cache.read("ttl", now_micros=at))
         return sorted(graph.nodes)
 
     assert ids(t0 + 5 * SECOND) == ["again", "keep", "long", "short"]
@@ -100,15 +102,15 @@ def test_expired_nodes_are_left_out_until_a_version_overwrites_or_deletes_them(c
     assert ids(t0 + 100 * SECOND) == ["keep"]
     # "short" rewritten without a TTL, "long" deleted: neither is in the expiring set any more
     more = [s.apply(delta("ttl", 2, t0 + 2 * SECOND, [node("short", v=5)], deletes=["long"]))]
-    assert cache.run(cache.apply_versions(more)) == set()
+    assert run(cache.apply_versions(more)) == set()
     assert ids(t0 + 1000 * SECOND) == ["keep", "short"]
-    graph = cache.run(cache.read("ttl", now_micros=t0 + 1000 * SECOND))
+    graph = run(cache.read("ttl", now_micros=t0 + 1000 * SECOND))
     assert graph.nodes["short"] == GraphNode("short", "note", {"v": 5}, None, "")
-    expiring = cache.run(cache.client.zrange(f"{cache.prefix}:state:ttl:expiring", 0, -1, withscores=True))
+    expiring = run(cache.client.zrange(f"{cache.prefix}:state:ttl:expiring", 0, -1, withscores=True))
     assert expiring == [(b"again", float(t0 + 11 * SECOND))]
 
 
-def test_a_snapshot_reads_back_as_the_versions_did(cache):
+def test_a_snapshot_reads_back_as_the_versions_did(cache, run):
     t0 = ahead()
     s = Session("snap")
     edge = {"src": "a", "dst": "b", "type": "links", "data_json": '{"w": 1}'}
@@ -116,24 +118,24 @@ def test_a_snapshot_reads_back_as_the_versions_did(cache):
         s.apply(delta("snap", 0, t0, [node("a", v=1), node("b", ttl=30, v=2)], edges=[edge])),
         s.apply(delta("snap", 1, t0 + SECOND, [node("c", ttl=5, v=3), node("a", v=6)])),
     ]
-    cache.run(cache.apply_versions(versions))
+    run(cache.apply_versions(versions))
     at = t0 + 10 * SECOND  # c expired, b not yet
-    from_versions = content(cache.run(cache.read("snap", now_micros=at)))
-    cache.run(cache.write_snapshot("other", *s.snapshot()))
-    from_snapshot = content(cache.run(cache.read("other", now_micros=at)))
+    from_versions = content(run(cache.read("snap", now_micros=at)))
+    run(cache.write_snapshot("other", *s.snapshot()))
+    from_snapshot = content(run(cache.read("other", now_micros=at)))
     assert from_versions == from_snapshot
     assert sorted(from_versions[0]) == ["a", "b"] and from_versions[0]["a"] == ("note", {"v": 6}, None)
     assert from_versions[1] == {("a", "b", "links", '{"w":1}')}
-    assert content(cache.run(cache.read("other", now_micros=t0 + 40 * SECOND)))[0].keys() == {"a"}
+    assert content(run(cache.read("other", now_micros=t0 + 40 * SECOND)))[0].keys() == {"a"}
 
 
-def test_the_views_build_only_what_is_touched_and_equal_the_whole_state(cache):
+def test_the_views_build_only_what_is_touched_and_equal_the_whole_state(cache, run):
     t0 = ahead()
     s = Session("big")
     ups = [node(f"n{i}", v=i) for i in range(500)]
     edges = [{"src": f"n{i}", "dst": f"n{i + 1}", "type": "next", "data_json": "{}"} for i in range(499)]
-    cache.run(cache.apply_versions([s.apply(delta("big", 0, t0, ups, edges=edges))]))
-    graph = cache.run(cache.read("big", now_micros=t0))
+    run(cache.apply_versions([s.apply(delta("big", 0, t0, ups, edges=edges))]))
+    graph = run(cache.read("big", now_micros=t0))
     assert len(graph.nodes) == 500 and "n7" in graph.nodes and "n500" not in graph.nodes and 7 not in graph.nodes
     assert graph.nodes["n7"] is graph.nodes["n7"]  # built once, kept
     assert graph.nodes._built.keys() == {"n7"}  # nothing else parsed yet
@@ -150,9 +152,9 @@ def test_the_views_build_only_what_is_touched_and_equal_the_whole_state(cache):
     assert graph.version_id == s.state.version_id and graph.ordinal == 1
 
 
-def test_a_cache_filled_in_the_older_layout_counts_as_not_filled(cache):
-    assert not cache.run(cache.filled())
-    cache.run(cache.client.set(epoch_key(cache.prefix), b"1"))  # layout 1: no expiring sets
-    assert not cache.run(cache.filled())
-    cache.run(cache.mark_filled())
-    assert cache.run(cache.filled()) and cache.run(cache.client.get(epoch_key(cache.prefix))) == LAYOUT
+def test_a_cache_filled_in_the_older_layout_counts_as_not_filled(cache, run):
+    assert not run(cache.filled())
+    run(cache.client.set(epoch_key(cache.prefix), b"1"))  # layout 1: no expiring sets
+    assert not run(cache.filled())
+    run(cache.mark_filled())
+    assert run(cache.filled()) and run(cache.client.get(epoch_key(cache.prefix))) == LAYOUT
