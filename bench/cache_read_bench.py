@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BENCH_VALKEY_PORT, bench_settings, loadavg, machine_facts
+from bench.weaving_report import percentile
 from processors.state.cache import StateCache, _keys, connect
 from processors.state.graph import EdgeRec, NodeRec
 
@@ -49,8 +50,7 @@ async def _timed(run: Callable[[], Awaitable[Any]], runs: int) -> tuple[float, f
         started = time.perf_counter()
         await run()
         times.append((time.perf_counter() - started) * 1000)
-    times.sort()
-    return statistics.median(times), times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+    return statistics.median(times), percentile(times, 99)
 
 
 def _reads(cache: StateCache, n: int, now_us: int) -> list[tuple[str, Callable[[], Awaitable[Any]]]]:

@@ -7,12 +7,11 @@ the HGETALL itself), while an agent loop usually looks at a few nodes of its sta
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import overload
+from collections.abc import Iterator, Mapping
 
 import orjson
 
-from processors.state.model import GraphEdge, GraphNode
+from processors.state.model import GraphEdge, GraphNode, LazySequence
 
 EDGE_FIELD_SEP = "\x1f"  # an edge's field in its hash: src, dst and type joined by it
 
@@ -50,39 +49,23 @@ class CachedNodes(Mapping[str, GraphNode]):
         return f"CachedNodes({len(self._raw)} nodes)"
 
 
-class CachedEdges(Sequence[GraphEdge]):
+class CachedEdges(LazySequence[GraphEdge]):
     """GraphEdges over an edges hash (src, dst and type joined by EDGE_FIELD_SEP -> data JSON), in its order."""
 
     def __init__(self, raw: dict[bytes, bytes]) -> None:
         self._items = list(raw.items())
         self._built: dict[int, GraphEdge] = {}
 
-    @overload
-    def __getitem__(self, i: int) -> GraphEdge: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[GraphEdge]: ...
-    def __getitem__(self, i: int | slice) -> GraphEdge | list[GraphEdge]:
-        if isinstance(i, slice):
-            return [self._edge(row) for row in range(len(self._items))[i]]
-        if not -len(self._items) <= i < len(self._items):
-            raise IndexError(i)
-        return self._edge(i % len(self._items))
-
-    def _edge(self, row: int) -> GraphEdge:
-        edge = self._built.get(row)
+    def _item(self, i: int) -> GraphEdge:
+        edge = self._built.get(i)
         if edge is None:
-            field, data = self._items[row]
+            field, data = self._items[i]
             src, dst, kind = field.decode().split(EDGE_FIELD_SEP)
-            edge = self._built[row] = GraphEdge(src, dst, kind, orjson.loads(data))
+            edge = self._built[i] = GraphEdge(src, dst, kind, orjson.loads(data))
         return edge
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"CachedEdges({len(self._items)} edges)"

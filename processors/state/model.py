@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,33 @@ class GraphEdge:
     dst: str
     type: str
     data: Any = None
+
+
+class LazySequence(Sequence[T]):
+    """A read-only sequence whose items are built from stored rows when first touched (`_item`): a large graph's
+    edges or a diff's lists, read from Redis or ClickHouse, cost nothing until looked at. Equal to any sequence of
+    the same items."""
+
+    def _item(self, i: int) -> T:
+        """Item `i`, 0 <= i < len(self)."""
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self._item(k) for k in range(n)[i]]
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._item(i % n)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ also be given a function that reads its table, called on first touch (the two si
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from processors.state.model import GraphEdge, GraphNode
+from processors.state.model import GraphEdge, GraphNode, LazySequence
 
 NODE_COLUMNS = ("node_id", "type", "data_json", "expires_at", "caused_by_tool")
 EDGE_COLUMNS = ("src", "dst", "type", "data_json")
@@ -85,7 +85,7 @@ class ColumnarNodes(_Columnar, Mapping[str, GraphNode]):
         return "ColumnarNodes(not read yet)" if self._table is None else f"ColumnarNodes({self._table.num_rows} rows)"
 
 
-class ColumnarEdges(_Columnar, Sequence[GraphEdge]):
+class ColumnarEdges(_Columnar, LazySequence[GraphEdge]):
     """GraphEdges over a table with EDGE_COLUMNS (in that order), one per (src, dst, type)."""
 
     def __init__(self, table: TableSource) -> None:
@@ -101,17 +101,8 @@ class ColumnarEdges(_Columnar, Sequence[GraphEdge]):
             self._rows = list({key: row for row, key in enumerate(keys)}.values())
         return self._rows
 
-    @overload
-    def __getitem__(self, i: int) -> GraphEdge: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[GraphEdge]: ...
-    def __getitem__(self, i: int | slice) -> GraphEdge | list[GraphEdge]:
-        rows = self._unique()
-        if isinstance(i, slice):
-            return [self._edge(row) for row in rows[i]]
-        return self._edge(rows[i])
-
-    def _edge(self, row: int) -> GraphEdge:
+    def _item(self, i: int) -> GraphEdge:
+        row = self._unique()[i]
         edge = self._built.get(row)
         if edge is None:
             assert self._columns is not None
@@ -122,16 +113,11 @@ class ColumnarEdges(_Columnar, Sequence[GraphEdge]):
     def __len__(self) -> int:
         return len(self._unique())
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return "ColumnarEdges(not read yet)" if self._table is None else f"ColumnarEdges({self._table.num_rows} rows)"
 
 
-class _RowList(Sequence[Any]):
+class _RowList(LazySequence[Any]):
     """Objects built from the rows of a table, in its row order, when touched (the lists of a StateDiff)."""
 
     def __init__(self, table: pa.Table) -> None:
@@ -150,24 +136,8 @@ class _RowList(Sequence[Any]):
             built = self._built[i] = self._make(tuple(c[i] for c in self._columns))
         return built
 
-    @overload
-    def __getitem__(self, i: int) -> Any: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Any]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self._item(row) for row in range(self.arrow.num_rows)[i]]
-        if not -self.arrow.num_rows <= i < self.arrow.num_rows:
-            raise IndexError(i)
-        return self._item(i % self.arrow.num_rows)
-
     def __len__(self) -> int:
         return self.arrow.num_rows
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.arrow.num_rows} rows)"
@@ -189,28 +159,17 @@ class EdgeList(_RowList):
         return GraphEdge(src, dst, kind, orjson.loads(data))
 
 
-class NodePairs(Sequence[tuple[GraphNode, GraphNode]]):
+class NodePairs(LazySequence[tuple[GraphNode, GraphNode]]):
     """(before, after) GraphNodes over two tables with NODE_COLUMNS whose rows pair up."""
 
     def __init__(self, before: pa.Table, after: pa.Table) -> None:
         self.before, self.after = NodeList(before), NodeList(after)
 
-    @overload
-    def __getitem__(self, i: int) -> tuple[GraphNode, GraphNode]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[tuple[GraphNode, GraphNode]]: ...
-    def __getitem__(self, i: int | slice) -> tuple[GraphNode, GraphNode] | list[tuple[GraphNode, GraphNode]]:
-        if isinstance(i, slice):
-            return list(zip(self.before[i], self.after[i], strict=True))
+    def _item(self, i: int) -> tuple[GraphNode, GraphNode]:
         return self.before[i], self.after[i]
 
     def __len__(self) -> int:
         return len(self.before)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def node_changes(before: pa.Table, after: pa.Table) -> tuple[NodeList, NodeList, NodePairs]:
